@@ -1,0 +1,201 @@
+"""Load, override and validate a run's config before anything expensive (Ray) starts.
+
+Sources, later ones winning: the schema's defaults, the profile YAML, `key=value` overrides.
+Every problem is a `RapidfireError` with one line naming the key path, the bad value and what
+is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Iterable, Mapping, Union
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from ..errors import RapidfireError
+from .schema import CHOICES, PLANNED_IN, RANGES, RapidfireConfig
+
+ProfileLike = Union[str, os.PathLike, Mapping[str, Any], DictConfig, None]
+
+
+def load_config(profile: ProfileLike = None, overrides: Iterable[str] | Mapping[str, Any] = ()) -> DictConfig:
+    """Return the validated, typed config. `profile` is a YAML path, a mapping or None (defaults);
+    `overrides` are `key=value` strings (CLI) or a {dotted.key: value} mapping (Python API)."""
+    cfg = OmegaConf.structured(RapidfireConfig)
+    where = "defaults"
+    if profile is not None:
+        if isinstance(profile, (str, os.PathLike)):
+            where = str(profile)
+            _merge(cfg, _read_yaml(where), where)
+        else:
+            where = "the config mapping"
+            data = OmegaConf.to_container(profile) if isinstance(profile, DictConfig) else dict(profile)
+            _merge(cfg, _nest(data, where), where)
+    if overrides:
+        items = overrides.items() if isinstance(overrides, Mapping) else _parse_dotlist(overrides)
+        for key, value in items:
+            _merge(cfg, _nest({key: value}, "override"), f"override {key}={value!r}")
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise RapidfireError(f"profile '{path}' not found; pass --profile PATH to a train_config.yaml "
+                             "(examples in jobs/configs/)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" line {mark.line + 1}" if mark is not None else ""
+        raise RapidfireError(f"profile '{path}'{at}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    except UnicodeDecodeError:
+        raise RapidfireError(f"profile '{path}': not UTF-8 text") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RapidfireError(f"profile '{path}': the top level must be a mapping of sections "
+                             f"(run, model, data, train, ...), got {type(data).__name__}")
+    return data
+
+
+def _parse_dotlist(items: Iterable[str]) -> list[tuple[str, Any]]:
+    out = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise RapidfireError(f"override '{item}': expected key=value, e.g. train.max_steps=10")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+def _nest(data: Mapping[str, Any], where: str) -> dict:
+    """Expand dotted keys ({"a.b": 1} -> {"a": {"b": 1}}) so YAML and overrides may use either."""
+    out: dict = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise RapidfireError(f"{where}: key {key!r} must be a string")
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise RapidfireError(f"{where}: key '{key}' conflicts with a value set for '{p}'")
+        last = parts[-1]
+        if isinstance(value, Mapping):
+            value = _nest(value, where)
+            if isinstance(node.get(last), dict):
+                node[last].update(value)
+                continue
+        node[last] = value
+    return out
+
+
+def _merge(cfg: DictConfig, data: dict, where: str) -> None:
+    try:
+        cfg.merge_with(data)
+    except ConfigKeyError as e:
+        key = e.full_key or e.key
+        parent = str(key).rpartition(".")[0]
+        raise RapidfireError(f"{where}: unknown key '{key}'; known keys{_under(parent)}: "
+                             f"{', '.join(_known_keys(parent))}") from None
+    except ValidationError as e:
+        key = e.full_key or e.key
+        expected = _expected_type(str(key))
+        raise RapidfireError(f"{where}: {key}: {_show(e.value)} is not a valid {expected}") from None
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise RapidfireError(f"{where}: {key}: {str(e).splitlines()[0]}") from None
+
+
+def _under(parent: str) -> str:
+    return f" under '{parent}'" if parent else ""
+
+
+def _section_type(path: str):
+    t = RapidfireConfig
+    for part in [p for p in path.split(".") if p]:
+        fields = {f.name: f for f in dataclasses.fields(t)}
+        if part not in fields or not dataclasses.is_dataclass(fields[part].default_factory()
+                                                              if fields[part].default_factory is not dataclasses.MISSING
+                                                              else None):
+            return None
+        t = type(fields[part].default_factory())
+    return t
+
+
+def _known_keys(parent: str) -> list[str]:
+    t = _section_type(parent)
+    return [f.name for f in dataclasses.fields(t)] if t else []
+
+
+def _expected_type(key: str) -> str:
+    parent, _, name = key.rpartition(".")
+    t = _section_type(parent)
+    if t is None:
+        return "value"
+    hint = {f.name: f.type for f in dataclasses.fields(t)}.get(name, "value")
+    return str(hint).replace("Optional[int]", "integer or null").replace("List[float]", "list of numbers")
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.select(cfg, key)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check choices, ranges and cross-key rules; raise RapidfireError on the first problem."""
+    for key, (now, later) in CHOICES.items():
+        value = _get(cfg, key)
+        if value in now:
+            continue
+        if value in later:
+            raise RapidfireError(f"{key}: {_show(value)} is not available yet (it comes with "
+                                 f"{PLANNED_IN[key]}); use one of: {', '.join(now)}")
+        raise RapidfireError(f"{key}: {_show(value)} is not one of: {', '.join(now + later)}")
+    for key, (low, high) in RANGES.items():
+        value = _get(cfg, key)
+        if value is None:
+            continue
+        if value < low or (high is not None and value > high):
+            allowed = f">= {low}" if high is None else f"between {low} and {high}"
+            raise RapidfireError(f"{key}: {_show(value)} is out of range; allowed: {allowed}")
+    steps = cfg.train.max_steps
+    if steps != -1 and steps < 1:
+        raise RapidfireError(f"train.max_steps: {steps} is out of range; allowed: -1 (run train.epochs "
+                             "epochs) or >= 1")
+    betas = list(cfg.optimizer.params.betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise RapidfireError(f"optimizer.params.betas: {betas} is invalid; allowed: two numbers in [0, 1), "
+                             "e.g. [0.9, 0.999]")
+    lo, hi = cfg.data.dynamic_batch.min, cfg.data.dynamic_batch.max
+    if cfg.data.dynamic_batch.strategy == "fixed" and (lo is not None or hi is not None):
+        raise RapidfireError("data.dynamic_batch.min/max: only used by a dynamic strategy (token_budget, "
+                             "memory_aware), which comes with the data-layer release; remove them with strategy "
+                             "'fixed' (the batch is train.per_device_batch_size)")
+    if lo is not None and hi is not None and lo > hi:
+        raise RapidfireError(f"data.dynamic_batch.min: {lo} is larger than data.dynamic_batch.max: {hi}; "
+                             "set min <= max")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", cfg.run.name):
+        raise RapidfireError(f"run.name: {_show(cfg.run.name)} is invalid; allowed: letters, digits, '.', "
+                             "'_', '-' (it names a folder), at most 100 characters")
+    if not cfg.model.name.strip():
+        raise RapidfireError("model.name: '' is empty; use smollm2-135m, tiny-random, a local model "
+                             "directory or a Hugging Face id")
+    if not cfg.data.path.strip():
+        raise RapidfireError("data.path: '' is empty; point it at a .jsonl/.parquet file or a folder")

@@ -1,0 +1,109 @@
+"""The training dataloader seam: a worker's Ray Data shard -> padded torch batches for TRL.
+
+`ShardLoader` is what our trainers return from `get_train_dataloader()`. It reads the worker's
+shard with Ray Data's background prefetching (`data.prefetch_depth` batches ahead), reshuffles
+it every epoch with a seeded local buffer, keeps every rank at the same number of batches per
+epoch (so DDP ranks stay in lockstep while every row is used exactly once), can skip the
+batches already trained on when a run resumes, and measures how long the step waited for data.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .sharding import shard_bounds
+
+SHUFFLE_BUFFER_ROWS = 1024
+
+
+def batches_per_epoch(num_rows: int, world_size: int, batch_size: int) -> int:
+    """Batches every rank yields per epoch: what the smallest shard needs at `batch_size`."""
+    return math.ceil((num_rows // world_size) / batch_size)
+
+
+def batch_plan(shard_rows: int, num_batches: int, batch_size: int) -> list[int]:
+    """Batch sizes for one rank: full batches, the last one taking the rest (at most one row more
+    than `batch_size`, on ranks whose shard holds the one extra row)."""
+    return [batch_size] * (num_batches - 1) + [shard_rows - batch_size * (num_batches - 1)]
+
+
+def collate(rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row; labels are -100 on padding and on tokens not trained on."""
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        n = len(ids)
+        input_ids[i, :n] = ids
+        attention_mask[i, :n] = 1
+        labels[i, :n] = torch.where(torch.as_tensor(r["loss_mask"], dtype=torch.bool), ids, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class ShardLoader:
+    """Iterable of batches over one rank's shard; `len()` is the same on every rank."""
+
+    def __init__(self, shard, *, num_rows: int, rank: int, world_size: int, batch_size: int, pad_id: int,
+                 prefetch_depth: int = 3, seed: int = 0, with_sources: bool = False):
+        if num_rows < world_size:
+            raise ValueError(f"{num_rows} training rows cannot be shared by {world_size} workers")
+        start, end = shard_bounds(num_rows, world_size)[rank]
+        self.shard = shard
+        self.shard_rows = end - start
+        self.batch_size = batch_size
+        self.num_batches = batches_per_epoch(num_rows, world_size, batch_size)
+        self.pad_id = pad_id
+        self.prefetch_depth = prefetch_depth
+        self.seed = seed
+        self.with_sources = with_sources
+        self.epoch = 0
+        self._skip = 0
+        self.wait_s = 0.0  # seconds the consumer spent blocked on the next batch; telemetry drains it
+        self.rows_yielded = 0
+        self.tokens_yielded = 0
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip_next(self, num_batches: int) -> None:
+        """Skip the first `num_batches` of the next epoch iterated (resume inside an epoch)."""
+        self._skip = num_batches
+
+    def _rows(self) -> Iterator[dict[str, Any]]:
+        batches = self.shard.iter_batches(
+            batch_size=self.batch_size, batch_format="numpy", prefetch_batches=self.prefetch_depth,
+            local_shuffle_buffer_size=min(SHUFFLE_BUFFER_ROWS, max(self.shard_rows, 1)),
+            local_shuffle_seed=self.seed + self.epoch, drop_last=False)
+        for b in batches:
+            for i in range(len(b["input_ids"])):
+                yield {"input_ids": b["input_ids"][i], "loss_mask": b["loss_mask"][i], "source": b["source"][i]}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        skip, self._skip = self._skip, 0
+        rows = self._rows()
+        for index, size in enumerate(batch_plan(self.shard_rows, self.num_batches, self.batch_size)):
+            t0 = time.perf_counter()
+            chunk = [row for _, row in zip(range(size), rows)]
+            if len(chunk) != size:
+                raise RuntimeError(f"data shard ran out: expected {size} rows for batch {index}, got {len(chunk)}")
+            if index < skip:
+                continue
+            batch = collate(chunk, self.pad_id)
+            if self.with_sources:
+                batch["sources"] = [str(r["source"]) for r in chunk]
+            self.wait_s += time.perf_counter() - t0
+            self.rows_yielded += size
+            self.tokens_yielded += int(batch["attention_mask"].sum())
+            yield batch
+        leftover = sum(1 for _ in rows)
+        if leftover:
+            raise RuntimeError(f"data shard has {leftover} rows more than planned; the split and the plan disagree")

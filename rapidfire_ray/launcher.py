@@ -1,0 +1,134 @@
+"""The driver side of a run: config -> Ray -> datasets -> Ray Train -> outputs.
+
+`run(cfg, ...)` is what `rapidfire train` and `rapidfire_ray.train()` call.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+# Ray Train V2 patches print() in workers; with `datasets` fingerprinting it floods the logs.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+
+import ray  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from .data.pipeline import build_sft_dataset  # noqa: E402
+from .data.sharding import TRAIN, ExactSplitDataConfig  # noqa: E402
+from .data.sources import list_data_files  # noqa: E402
+from .errors import RapidfireError, RunFailed  # noqa: E402
+from .results import atomic_write_json, export_model, summarise  # noqa: E402
+from .telemetry.progress import ProgressBoard, ProgressPrinter  # noqa: E402
+
+WORKER_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+}
+
+
+def say(msg: str) -> None:
+    print(f"[rapidfire] {msg}", flush=True)
+
+
+def run_dir_of(cfg: DictConfig) -> str:
+    return os.path.join(os.path.abspath(cfg.run.output_dir), cfg.run.name)
+
+
+def _check_resume(run_dir: str, resume: bool) -> None:
+    has_checkpoint = bool(glob.glob(os.path.join(run_dir, "checkpoint-*")))
+    if has_checkpoint and not resume:
+        raise RapidfireError(f"run.name: '{os.path.basename(run_dir)}' already has checkpoints in {run_dir}; pass "
+                             "--resume to continue it, or choose another run.name (nothing was overwritten)")
+    if resume and not has_checkpoint:
+        raise RapidfireError(f"--resume: no checkpoint of run '{os.path.basename(run_dir)}' in {run_dir}; check "
+                             "run.name and run.output_dir, or start without --resume")
+
+
+def connect(address: str | None, cfg: DictConfig) -> None:
+    """Join the cluster at `address`/RAY_ADDRESS (a `ray job submit` job has it set), reuse an
+    already connected one, or start an embedded local cluster."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    env = {"env_vars": WORKER_ENV}
+    if address:
+        try:
+            ray.init(address=address, runtime_env=env, log_to_driver=True)
+        except Exception as e:  # ConnectionError, auth errors, bad address formats
+            raise RapidfireError(f"--address '{address}': could not connect to a Ray cluster "
+                                 f"({str(e).splitlines()[0][:200]}); check the address (ip:port or auto), that the "
+                                 "cluster is up, and RAY_AUTH_MODE=token with its token for a token-auth cluster")
+        say(f"connected to Ray cluster at {address}")
+        return
+    need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    # One CPU beyond the workers' share, so Ray Data can still run tasks while they train.
+    num_cpus = max(os.cpu_count() or 1, need + 1)
+    ray.init(num_cpus=num_cpus, runtime_env=env, log_to_driver=True, include_dashboard=False)
+    say(f"started an embedded local Ray cluster ({num_cpus} CPUs)")
+
+
+def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from .worker import train_loop_per_worker
+
+    t_start = time.time()
+    list_data_files(cfg.data.path)  # fail on a missing path before Ray starts
+    run_dir = run_dir_of(cfg)
+    _check_resume(run_dir, resume)
+    connect(address, cfg)
+
+    say(f"reading and tokenising {cfg.data.path} ({cfg.data.format}) with Ray Data")
+    num_cpus = int(ray.available_resources().get("CPU", 1))
+    ds, report = build_sft_dataset(cfg, num_cpus=max(1, num_cpus - 1))
+    say(report.describe())
+    if report.rows < cfg.scaling.num_workers:
+        raise RapidfireError(f"scaling.num_workers: {cfg.scaling.num_workers} workers but only {report.rows} "
+                             "usable rows; use fewer workers or more data")
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    board = ProgressBoard.remote()
+    sample_rows = [{"input_ids": [int(t) for t in r["input_ids"]],
+                    "labels": [int(t) if m else -100 for t, m in zip(r["input_ids"], r["loss_mask"])]}
+                   for r in ds.take(2)]
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": plain, "num_rows": report.rows, "board": board, "sample_rows": sample_rows},
+        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=os.path.abspath(cfg.run.output_dir),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            failure_config=FailureConfig(max_failures=0),
+            worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker)}},
+        ),
+        datasets={TRAIN: ds},
+        dataset_config=ExactSplitDataConfig(),
+    )
+    say(f"training: stage {cfg.train.stage}, model {cfg.model.name}, {cfg.scaling.num_workers} worker(s)"
+        + (", resuming from the latest checkpoint" if resume else ""))
+    with ProgressPrinter(board):
+        try:
+            result = trainer.fit()
+        except Exception as e:
+            raise RunFailed(f"training failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    if result.error is not None:
+        raise RunFailed(f"training failed: {result.error}")
+
+    model_dir = None
+    if result.checkpoint is not None:
+        with result.checkpoint.as_directory() as ckpt:
+            model_dir = export_model(ckpt, os.path.join(run_dir, "model"))
+    snapshot = ray.get(board.snapshot.remote())
+    summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=cfg.scaling.num_workers,
+                        model_dir=model_dir, data=report.to_dict(), wall_s=time.time() - t_start)
+    summary["checkpoint"] = result.checkpoint.path if result.checkpoint is not None else None
+    path = atomic_write_json(os.path.join(run_dir, "run_summary.json"), summary)
+    say(f"done: {summary['steps']} steps, final loss {summary['final_loss']}, {summary['tokens_per_s']} tokens/s; "
+        f"model in {model_dir}; summary in {path}")
+    return summary

@@ -1,0 +1,196 @@
+"""Resolve a `model.name` to a tokenizer and a causal LM.
+
+A name is one of the built-ins (`smollm2-135m`, `tiny-random`), a local directory holding a
+Hugging Face model (config.json), or a Hugging Face hub id (plain `from_pretrained(name)`).
+Tokenizers returned here always have a pad token and a chat template.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import torch
+
+from rapidfire_ray.errors import RapidfireError
+from rapidfire_ray.models import smollm2, tiny
+
+log = logging.getLogger(__name__)
+
+BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
+
+
+# --------------------------------------------------------------------------------------------
+# name resolution
+
+
+def _local_dir(name: str) -> str | None:
+    path = os.path.expanduser(name)
+    if not os.path.isdir(path):
+        return None
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise RapidfireError(
+            f"model.name '{name}': the directory has no config.json; point it at a Hugging Face "
+            "model directory (one written by save_pretrained) or use a built-in name "
+            f"({', '.join(BUILTIN_MODELS)})"
+        )
+    return path
+
+
+def _offline() -> bool:
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def _short_reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if "couldn't connect" in text.lower() or "offline mode is enabled" in text.lower():
+        how = "offline mode (HF_HUB_OFFLINE) is on" if _offline() else "cannot reach the hub"
+        return f"{how} and it is not in the local Hugging Face cache"
+    sentence = text.split(". ")[0].rstrip(".")
+    return sentence if len(sentence) <= 160 else sentence[:157] + "..."
+
+
+def _hub_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [OSError]
+    try:
+        from huggingface_hub.errors import HFValidationError
+
+        errors.append(HFValidationError)
+    except ImportError:  # pragma: no cover - older huggingface_hub
+        pass
+    return tuple(errors)
+
+
+def _from_hub(name: str, load):
+    try:
+        return load(name)
+    except _hub_errors() as exc:
+        raise RapidfireError(
+            f"model.name '{name}': not a built-in ({', '.join(BUILTIN_MODELS)}), not a local "
+            f"directory, and could not be loaded from the Hugging Face hub ({_short_reason(exc)}); "
+            "use a built-in name or a local model directory"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def ensure_tokenizer_defaults(tokenizer):
+    """Give the tokenizer a pad token (its eos) and a chat template (ChatML) where it lacks one."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise RapidfireError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has neither a pad nor an "
+                "eos token; set pad_token in its tokenizer_config.json"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning(
+            "tokenizer %r has no chat template; using SmolLM2's ChatML template",
+            getattr(tokenizer, "name_or_path", ""),
+        )
+        tokenizer.chat_template = tiny.CHATML_TEMPLATE
+    return tokenizer
+
+
+def load_tokenizer(name: str):
+    """The tokenizer (a transformers PreTrainedTokenizerFast) for `name`."""
+    from transformers import AutoTokenizer
+
+    if name == tiny.NAME:
+        return tiny.build_tokenizer()
+    if name == smollm2.NAME:
+        tokenizer = smollm2.load_tokenizer()
+    else:
+        path = _local_dir(name)
+        if path is not None:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        else:
+            tokenizer = _from_hub(name, AutoTokenizer.from_pretrained)
+    return ensure_tokenizer_defaults(tokenizer)
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32):
+    """A causal LM for `name` in `dtype` (an AutoModelForCausalLM instance, in eval mode as
+    from_pretrained leaves it; the caller sets train mode)."""
+    from transformers import AutoModelForCausalLM
+
+    if name == tiny.NAME:
+        return tiny.build_model(dtype)
+    if name == smollm2.NAME:
+        return smollm2.load_model(dtype)
+    path = _local_dir(name)
+    if path is not None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return _from_hub(name, lambda n: AutoModelForCausalLM.from_pretrained(n, dtype=dtype))
+
+
+def model_num_parameters(name: str) -> int:
+    """The number of parameters, from the config alone (the model is built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name == tiny.NAME:
+        return tiny.num_parameters()
+    if name == smollm2.NAME:
+        source, kwargs = smollm2.config_source()
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    else:
+        path = _local_dir(name)
+        if path is not None:
+            config = AutoConfig.from_pretrained(path)
+        else:
+            config = _from_hub(name, AutoConfig.from_pretrained)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # Tied weights are one Parameter, counted once by parameters().
+    return sum(p.numel() for p in model.parameters())
+
+
+def save_pretrained_atomic(model, tokenizer, out_dir: str) -> str:
+    """Save `model` (and `tokenizer`, if given) in HF format to `out_dir`, atomically.
+
+    Everything is written to `<out_dir>.tmp-<pid>` first; an existing `out_dir` is moved aside
+    and removed only after the new directory is complete and renamed into place.
+    """
+    out_dir = os.path.abspath(os.path.expanduser(out_dir)).rstrip(os.sep)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    pid = os.getpid()
+    tmp = f"{out_dir}.tmp-{pid}"
+    old = f"{out_dir}.tmp-{pid}-old"
+    for leftover in (tmp, old):
+        if os.path.lexists(leftover):
+            shutil.rmtree(leftover)
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _fsync_tree(tmp)
+        if os.path.lexists(out_dir):
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.lexists(old) and not os.path.lexists(out_dir):
+            os.rename(old, out_dir)  # put the previous save back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def _fsync_tree(directory: str) -> None:
+    """Flush the files of a finished save to disk before it is renamed into place."""
+    for root, _dirs, files in os.walk(directory):
+        for fname in files:
+            fd = os.open(os.path.join(root, fname), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

@@ -1,0 +1,78 @@
+"""A run's outputs: the final model in Hugging Face format and `run_summary.json`.
+
+Everything is written under a temporary name and renamed into place, so a crash never leaves
+a half-written summary or model, and an earlier complete one stays until the new one is whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from .telemetry.timing import PHASES
+
+# Training-state files in a transformers checkpoint that are not part of the model.
+STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin")
+
+
+def atomic_write_json(path: str, data: dict) -> str:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def export_model(checkpoint_dir: str, model_dir: str) -> str:
+    """Copy the model and tokenizer files of a transformers checkpoint into `model_dir`."""
+    tmp = f"{model_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(checkpoint_dir, tmp,
+                    ignore=lambda _d, names: [n for n in names if n in STATE_FILES or n.startswith("rng_state")])
+    old = f"{model_dir}.old-{os.getpid()}"
+    if os.path.exists(model_dir):
+        os.replace(model_dir, old)
+    os.replace(tmp, model_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return model_dir
+
+
+def summarise(*, stage: str, snapshot: dict, num_workers: int, model_dir: str | None, data: dict,
+              wall_s: float) -> dict:
+    """The run summary, computed from the per-rank step records the workers pushed."""
+    steps = snapshot["steps"]
+    rank0 = [r for r in steps if r["rank"] == 0]
+    step_time = sum(r["phases"]["step"] for r in rank0)
+    tokens = sum(r["tokens"] for r in steps)
+    # Fractions of step time, averaged over ranks: each rank's phase seconds over its step seconds.
+    breakdown = {}
+    for phase in (*PHASES, "other"):
+        per_rank = []
+        for rank in {r["rank"] for r in steps}:
+            mine = [r["phases"] for r in steps if r["rank"] == rank]
+            total = sum(p["step"] for p in mine) or 1e-12
+            per_rank.append(sum(p[phase] for p in mine) / total)
+        breakdown[phase] = round(sum(per_rank) / len(per_rank), 4) if per_rank else 0.0
+    losses = [(log["step"], log["loss"]) for log in snapshot["logs"] if log.get("loss") is not None]
+    return {
+        "stage": stage,
+        "steps": max((r["step"] for r in steps), default=snapshot["plan"].get("start_step", 0)),
+        "start_step": snapshot["plan"].get("start_step", 0),
+        "total_steps": snapshot["plan"].get("total_steps"),
+        "samples": sum(r["samples"] for r in steps),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / step_time, 3) if step_time else 0.0,
+        "train_time_s": round(step_time, 3),
+        "wall_time_s": round(wall_s, 3),
+        "first_loss": losses[0][1] if losses else None,
+        "final_loss": losses[-1][1] if losses else None,
+        "loss_history": [{"step": s, "loss": round(v, 6)} for s, v in losses],
+        "time_breakdown": breakdown,
+        "peak_memory_bytes": max((r["peak_memory_bytes"] for r in steps), default=0),
+        "num_workers": num_workers,
+        "model_dir": model_dir,
+        "data": data,
+    }

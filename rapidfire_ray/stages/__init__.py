@@ -1,0 +1,1 @@
+"""Training stages, each a thin layer over a TRL trainer: `sft` now; `reward` and `rl` later."""

@@ -1,0 +1,60 @@
+"""Supervised fine-tuning: TRL's `SFTTrainer` fed by our Ray Data loader."""
+from __future__ import annotations
+
+from datasets import Dataset
+from trl import SFTConfig, SFTTrainer
+
+from .base import RayStageMixin
+
+
+class RaySFTTrainer(RayStageMixin, SFTTrainer):
+    pass
+
+
+def sft_args(cfg: dict, output_dir: str, use_cpu: bool) -> SFTConfig:
+    t, o = cfg["train"], cfg["optimizer"]["params"]
+    every = cfg["checkpoint"]["every_steps"]
+    return SFTConfig(
+        output_dir=output_dir,
+        max_steps=t["max_steps"],
+        num_train_epochs=t["epochs"],
+        per_device_train_batch_size=t["per_device_batch_size"],
+        gradient_accumulation_steps=t["gradient_accumulation_steps"],
+        max_grad_norm=t["grad_clip"],
+        lr_scheduler_type=t["lr_scheduler"],
+        warmup_steps=t["warmup_steps"],
+        learning_rate=o["lr"],
+        weight_decay=o["weight_decay"],
+        adam_beta1=o["betas"][0],
+        adam_beta2=o["betas"][1],
+        adam_epsilon=o["eps"],
+        optim="adamw_torch",
+        logging_steps=t["log_every_steps"],
+        save_strategy="steps",
+        save_steps=every if every > 0 else 10**9,  # the callback also saves the last step
+        seed=cfg["run"]["seed"],
+        use_cpu=use_cpu,
+        # TRL defaults to bf16 and gradient checkpointing; precision and memory options are ours.
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        disable_tqdm=True,
+        max_length=cfg["data"]["max_length"],
+        # Rows arrive tokenised from Ray Data; our loader skips already-trained batches itself.
+        dataset_kwargs={"skip_prepare_dataset": True},
+        ignore_data_skip=True,
+        remove_unused_columns=False,
+        ddp_find_unused_parameters=False,
+        save_only_model=False,
+    )
+
+
+def build_sft_trainer(cfg: dict, model, tokenizer, loader, sample_rows: list[dict], output_dir: str,
+                      use_cpu: bool, callbacks: list) -> RaySFTTrainer:
+    # TRL inspects one row of `train_dataset` at start-up; the rows it trains on come from `loader`.
+    sample = Dataset.from_list(sample_rows)
+    trainer = RaySFTTrainer(model=model, args=sft_args(cfg, output_dir, use_cpu), train_dataset=sample,
+                            processing_class=tokenizer, callbacks=callbacks)
+    trainer.rf_loader = loader
+    return trainer

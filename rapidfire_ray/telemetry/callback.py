@@ -1,0 +1,70 @@
+"""The trainer callback that connects a TRL/transformers trainer to Ray and to our telemetry:
+step records to the progress board, checkpoints to Ray Train, saves on schedule."""
+from __future__ import annotations
+
+import os
+import time
+
+import ray.train
+from transformers import TrainerCallback
+
+from .timing import StepTimer, peak_memory_bytes
+
+
+class RayRunCallback(TrainerCallback):
+    def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int):
+        self.board = board
+        self.timer = timer
+        self.loader = loader
+        self.rank = rank
+        self.every_steps = every_steps
+        self._opt_start = None
+        self._rows = 0
+        self._tokens = 0
+        self._last_loss = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.timer.take()  # start the first step's clock here, after model and optimizer set-up
+        self.loader.wait_s = 0.0
+        self._rows, self._tokens = self.loader.rows_yielded, self.loader.tokens_yielded
+        if self.rank == 0:
+            self.board.set_plan.remote(state.max_steps, state.global_step)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._opt_start = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._opt_start is not None:
+            self.timer.add("optimizer", time.perf_counter() - self._opt_start)
+            self._opt_start = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.timer.add("data_wait", self.loader.wait_s)
+        self.loader.wait_s = 0.0
+        phases = self.timer.take()
+        rows, tokens = self.loader.rows_yielded, self.loader.tokens_yielded
+        self.board.push_step.remote({
+            "rank": self.rank, "step": state.global_step, "time": time.time(), "phases": phases,
+            "samples": rows - self._rows, "tokens": tokens - self._tokens, "peak_memory_bytes": peak_memory_bytes(),
+        })
+        self._rows, self._tokens = rows, tokens
+        # Save on schedule and always at the last step (transformers only saves on the schedule).
+        if state.global_step >= state.max_steps or (self.every_steps and state.global_step % self.every_steps == 0):
+            control.should_save = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.rank == 0 and logs and "loss" in logs:
+            self._last_loss = float(logs["loss"])
+            self.board.push_log.remote({"step": state.global_step, "loss": self._last_loss,
+                                        "learning_rate": logs.get("learning_rate"),
+                                        "grad_norm": logs.get("grad_norm")})
+
+    def on_save(self, args, state, control, **kwargs):
+        # Every rank reports its own checkpoint folder (rank 0: model, optimizer, state; others:
+        # their RNG state); Ray Train merges them into one checkpoint on the run's storage.
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        checkpoint = ray.train.Checkpoint.from_directory(path) if os.path.isdir(path) else None
+        ray.train.report({"step": state.global_step, "loss": self._last_loss}, checkpoint=checkpoint,
+                         checkpoint_dir_name=f"checkpoint-{state.global_step:08d}",
+                         delete_local_checkpoint_after_upload=True)

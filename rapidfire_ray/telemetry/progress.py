@@ -1,0 +1,99 @@
+"""Live progress of a run: workers push step records to a small Ray actor, the driver prints them.
+
+The same records become the run summary (`summary.summarise`), so what the progress line shows
+and what `run_summary.json` reports are one measurement.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class ProgressBoard:
+    """Holds per-rank step records and rank 0's logged losses for one run."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.logs: list[dict] = []
+        self.plan = {"total_steps": None, "start_step": 0}
+
+    def set_plan(self, total_steps: int, start_step: int) -> None:
+        self.plan = {"total_steps": total_steps, "start_step": start_step}
+
+    def push_step(self, record: dict) -> None:
+        self.steps.append(record)
+
+    def push_log(self, record: dict) -> None:
+        self.logs.append(record)
+
+    def snapshot(self) -> dict:
+        return {"plan": self.plan, "steps": self.steps, "logs": self.logs}
+
+    def line(self) -> str | None:
+        return progress_line(self.snapshot())
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def progress_line(snap: dict) -> str | None:
+    steps = snap["steps"]
+    if not steps:
+        return None
+    plan = snap["plan"]
+    step = max(r["step"] for r in steps[-64:])
+    recent = [r for r in steps[-64:] if r["step"] > step - 10]
+    wall = sum(r["phases"]["step"] for r in recent if r["rank"] == 0) or 1e-9
+    tokens = sum(r["tokens"] for r in recent)
+    steps_timed = len({r["step"] for r in recent if r["rank"] == 0}) or 1
+    loss = next((r["loss"] for r in reversed(snap["logs"]) if r.get("loss") is not None), None)
+    total = plan["total_steps"]
+    parts = [f"step {step}/{total}" if total else f"step {step}"]
+    if loss is not None:
+        parts.append(f"loss {loss:.4f}")
+    parts.append(f"{tokens / wall:.1f} tok/s")
+    if total:
+        parts.append(f"eta {_fmt_duration((total - step) * wall / steps_timed)}")
+    return " | ".join(parts)
+
+
+class ProgressPrinter:
+    """Polls the board from a driver thread and prints a progress line whenever the step moves."""
+
+    def __init__(self, board, interval_s: float = 2.0, stream=None):
+        self.board = board
+        self.interval_s = interval_s
+        self.stream = stream or sys.stdout
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rapidfire-progress", daemon=True)
+        self._last = None
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._print_once()
+
+    def _print_once(self) -> None:
+        try:
+            line = ray.get(self.board.line.remote(), timeout=10)
+        except Exception:  # the board is best-effort; training must not fail for a progress line
+            return
+        if line and line != self._last:
+            print(f"[rapidfire] {line}", file=self.stream, flush=True)
+            self._last = line
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._print_once()

@@ -1,0 +1,65 @@
+"""What each Ray Train worker runs: build the model and the stage's TRL trainer, train, report.
+
+The driver (`launcher.py`) passes the resolved config as a plain dict plus run facts (row
+count, progress board handle, a sample row for TRL's start-up checks).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import ray.train
+import torch
+
+from .data.loader import ShardLoader
+from .data.sharding import TRAIN
+from .models import load_model, load_tokenizer
+from .stages.sft import build_sft_trainer
+from .telemetry.callback import RayRunCallback
+from .telemetry.timing import StepTimer
+
+
+def train_loop_per_worker(config: dict) -> None:
+    cfg = config["cfg"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    use_gpu = cfg["scaling"]["use_gpu"]
+    torch.set_num_threads(cfg["scaling"]["cpus_per_worker"])
+    torch.manual_seed(cfg["run"]["seed"])
+
+    tokenizer = load_tokenizer(cfg["model"]["name"])
+    model = load_model(cfg["model"]["name"], dtype=torch.float32)
+    loader = ShardLoader(ray.train.get_dataset_shard(TRAIN), num_rows=config["num_rows"], rank=rank,
+                         world_size=world, batch_size=cfg["train"]["per_device_batch_size"],
+                         pad_id=tokenizer.pad_token_id, prefetch_depth=cfg["data"]["prefetch_depth"],
+                         seed=cfg["run"]["seed"])
+    timer = StepTimer()
+    callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
+                              every_steps=cfg["checkpoint"]["every_steps"])
+    # Each rank writes its checkpoint pieces to its own local folder; Ray Train merges and stores them.
+    local_dir = tempfile.mkdtemp(prefix=f"rapidfire-{cfg['run']['name']}-rank{rank}-")
+    trainer = build_sft_trainer(cfg, model, tokenizer, loader, config["sample_rows"], local_dir,
+                                use_cpu=not use_gpu, callbacks=[callback])
+    trainer.rf_timer = timer
+
+    checkpoint = ray.train.get_checkpoint()
+    try:
+        if checkpoint is None:
+            trainer.train()
+        else:
+            with checkpoint.as_directory() as ckpt_dir:
+                loader.skip_next(_batches_done_in_epoch(ckpt_dir, len(loader),
+                                                        cfg["train"]["gradient_accumulation_steps"]))
+                trainer.train(resume_from_checkpoint=ckpt_dir)
+    finally:
+        shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def _batches_done_in_epoch(ckpt_dir: str, batches_per_epoch: int, grad_accum: int) -> int:
+    """Micro-batches of the current epoch already trained on at the checkpoint's step."""
+    with open(os.path.join(ckpt_dir, "trainer_state.json"), encoding="utf-8") as f:
+        step = json.load(f)["global_step"]
+    updates_per_epoch = max(1, -(-batches_per_epoch // grad_accum))
+    return (step % updates_per_epoch) * grad_accum
