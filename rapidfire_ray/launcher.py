@@ -66,12 +66,12 @@ def connect(address: str | None, cfg: DictConfig) -> None:
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
     # One CPU beyond the workers' share, so Ray Data can still run tasks while they train.
     num_cpus = max(os.cpu_count() or 1, need + 1)
-    ray.init(num_cpus=num_cpus, runtime_env=env, log_to_driver=True, include_dashboard=False)
+    ray.init(num_cpus=num_cpus, runtime_env=env, log_to_driver=True)
     say(f"started an embedded local Ray cluster ({num_cpus} CPUs)")
 
 
 def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from .worker import train_loop_per_worker
@@ -105,6 +105,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             storage_path=os.path.abspath(cfg.run.output_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=0),
+            logging_config=LoggingConfig(log_level="WARNING"),
             worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker)}},
         ),
         datasets={TRAIN: ds},

@@ -79,13 +79,21 @@ class ShardLoader:
         self._skip = num_batches
 
     def _rows(self) -> Iterator[dict[str, Any]]:
-        batches = self.shard.iter_batches(
-            batch_size=self.batch_size, batch_format="numpy", prefetch_batches=self.prefetch_depth,
-            local_shuffle_buffer_size=min(SHUFFLE_BUFFER_ROWS, max(self.shard_rows, 1)),
-            local_shuffle_seed=self.seed + self.epoch, drop_last=False)
-        for b in batches:
+        """The shard's rows in a seeded per-epoch order: a shuffle buffer of SHUFFLE_BUFFER_ROWS
+        rows (our own, so the order is reproducible and a resume can skip exactly)."""
+        rng = np.random.default_rng([self.seed, self.epoch])
+        buffer: list[dict[str, Any]] = []
+        for b in self.shard.iter_batches(batch_size=self.batch_size, batch_format="numpy",
+                                         prefetch_batches=self.prefetch_depth, drop_last=False):
             for i in range(len(b["input_ids"])):
-                yield {"input_ids": b["input_ids"][i], "loss_mask": b["loss_mask"][i], "source": b["source"][i]}
+                buffer.append({"input_ids": b["input_ids"][i], "loss_mask": b["loss_mask"][i],
+                               "source": b["source"][i]})
+                if len(buffer) >= SHUFFLE_BUFFER_ROWS:
+                    j = int(rng.integers(len(buffer)))
+                    buffer[j], buffer[-1] = buffer[-1], buffer[j]
+                    yield buffer.pop()
+        for j in rng.permutation(len(buffer)):
+            yield buffer[j]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         skip, self._skip = self._skip, 0

@@ -139,8 +139,10 @@ def model_num_parameters(name: str) -> int:
     if name == tiny.NAME:
         return tiny.num_parameters()
     if name == smollm2.NAME:
-        source, kwargs = smollm2.config_source()
-        config = AutoConfig.from_pretrained(source, **kwargs)
+        source = smollm2.cached_config_dir()
+        if source is None:
+            return smollm2.NUM_PARAMETERS
+        config = AutoConfig.from_pretrained(source)
     else:
         path = _local_dir(name)
         if path is not None:

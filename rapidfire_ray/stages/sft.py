@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from datasets import Dataset
+from transformers.trainer_callback import PrinterCallback
 from trl import SFTConfig, SFTTrainer
 
 from .base import RayStageMixin
@@ -37,7 +38,7 @@ def sft_args(cfg: dict, output_dir: str, use_cpu: bool) -> SFTConfig:
         # TRL defaults to bf16 and gradient checkpointing; precision and memory options are ours.
         bf16=False,
         fp16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         report_to="none",
         disable_tqdm=True,
         max_length=cfg["data"]["max_length"],
@@ -56,5 +57,6 @@ def build_sft_trainer(cfg: dict, model, tokenizer, loader, sample_rows: list[dic
     sample = Dataset.from_list(sample_rows)
     trainer = RaySFTTrainer(model=model, args=sft_args(cfg, output_dir, use_cpu), train_dataset=sample,
                             processing_class=tokenizer, callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # our progress line replaces its per-log prints
     trainer.rf_loader = loader
     return trainer

@@ -85,6 +85,7 @@ def test_tiny_model_deterministic_and_trainable():
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
     assert cfg.max_position_embeddings == 1024 and cfg.tie_word_embeddings
     assert cfg.vocab_size == len(tok)
+    assert (cfg.eos_token_id, cfg.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
     assert a.get_output_embeddings().weight is a.get_input_embeddings().weight
 
     batch = tok(["hello world", "héllo 🙂"], padding=True, return_tensors="pt")
@@ -267,6 +268,8 @@ def test_smollm2_loads_offline_and_trains_one_step(smollm2_loaded, monkeypatch):
 def test_smollm2_conversion_matches_gguf(tmp_path, monkeypatch):
     """Convert into an empty cache (the first-use path) and compare logits with the GGUF model."""
     monkeypatch.setenv("RAPIDFIRE_CACHE_DIR", str(tmp_path))
+    before = model_num_parameters("smollm2-135m")  # no cache yet: must not convert
+    assert os.listdir(tmp_path) == []
     start = time.monotonic()
     cached_dir = smollm2.ensure_cache()
     print(f"smollm2-135m conversion: {time.monotonic() - start:.1f} s")
@@ -285,6 +288,8 @@ def test_smollm2_conversion_matches_gguf(tmp_path, monkeypatch):
         a = cached(input_ids=ids).logits
         b = gguf(input_ids=ids).logits
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    n = sum(p.numel() for p in gguf.parameters())
+    assert before == n == model_num_parameters("smollm2-135m")
 
 
 @pytest.mark.slow

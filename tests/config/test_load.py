@@ -1,0 +1,130 @@
+"""Config schema and validation: every rule and its one-line message."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from rapidfire_ray.config import load_config, to_yaml
+from rapidfire_ray.errors import RapidfireError
+
+ARTICLE_YAML = """
+optimizer:
+  type: adamw
+  params:
+    lr: 5e-6
+    compression:
+      grad: none
+      act: none
+data:
+  prefetch_depth: 3
+"""
+
+
+def write(tmp_path, text, name="train_config.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def error_of(*args, **kwargs) -> str:
+    with pytest.raises(RapidfireError) as e:
+        load_config(*args, **kwargs)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_defaults_are_valid_and_documented_keys_exist():
+    cfg = load_config()
+    for key in ("run.name", "run.output_dir", "run.seed", "model.name", "data.path", "data.format",
+                "data.max_length", "train.stage", "train.max_steps", "train.epochs", "train.per_device_batch_size",
+                "train.grad_clip", "scaling.num_workers", "scaling.use_gpu", "checkpoint.every_steps",
+                "optimizer.type", "optimizer.params.lr", "optimizer.params.compression.grad",
+                "optimizer.params.compression.act", "data.prefetch_depth", "data.dynamic_batch.min",
+                "data.dynamic_batch.max", "data.dynamic_batch.strategy"):
+        parent, _, leaf = key.rpartition(".")
+        assert leaf in OmegaConf.select(cfg, parent), key
+    assert cfg.train.max_steps == -1 and cfg.train.stage == "sft" and cfg.data.prefetch_depth == 3
+
+
+def test_article_keys_parse_including_yaml_1_1_exponent(tmp_path):
+    cfg = load_config(write(tmp_path, ARTICLE_YAML))
+    assert cfg.optimizer.params.lr == pytest.approx(5e-6)  # "5e-6" is a string in YAML 1.1
+    assert isinstance(cfg.optimizer.params.lr, float)
+
+
+def test_overrides_win_over_profile_and_accept_dotted_and_nested(tmp_path):
+    path = write(tmp_path, "train:\n  max_steps: 3\n")
+    cfg = load_config(path, ["train.max_steps=7", "model.name=tiny-random"])
+    assert cfg.train.max_steps == 7 and cfg.model.name == "tiny-random"
+    cfg = load_config({"train.max_steps": 5, "data": {"max_length": 64}}, {"scaling.num_workers": 3})
+    assert (cfg.train.max_steps, cfg.data.max_length, cfg.scaling.num_workers) == (5, 64, 3)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("run.foo=1", "unknown key 'run.foo'; known keys under 'run': name, output_dir, seed"),
+    ("nope.x=1", "unknown key 'nope'"),
+    ("train.max_steps=abc", "train.max_steps: 'abc' is not a valid int"),
+    ("scaling.use_gpu=maybe", "scaling.use_gpu: 'maybe' is not a valid bool"),
+    ("data.format=csv", "data.format: 'csv' is not one of: text, prompt_completion, messages, oasst"),
+    ("train.per_device_batch_size=0", "train.per_device_batch_size: 0 is out of range; allowed: >= 1"),
+    ("data.prefetch_depth=100", "data.prefetch_depth: 100 is out of range; allowed: between 0 and 64"),
+    ("train.max_steps=0", "train.max_steps: 0 is out of range; allowed: -1"),
+    ("optimizer.params.lr=2", "optimizer.params.lr: 2.0 is out of range"),
+    ("optimizer.params.betas=[0.9]", "optimizer.params.betas: [0.9] is invalid"),
+    ("run.name=a/b", "run.name: 'a/b' is invalid"),
+    ("data.dynamic_batch.max=8", "data.dynamic_batch.min/max: only used by a dynamic strategy"),
+    ("bad", "override 'bad': expected key=value"),
+])
+def test_bad_values_name_key_value_and_allowed(override, expected):
+    assert expected in error_of(None, [override])
+
+
+@pytest.mark.parametrize("override, later", [
+    ("train.stage=reward", "reward/RL"),
+    ("train.stage=pipeline", "reward/RL"),
+    ("optimizer.type=rapidfire_adamw", "compressed-communication"),
+    ("optimizer.params.compression.grad=1bit", "compressed-communication"),
+    ("optimizer.params.compression.act=int8", "memory"),
+    ("data.dynamic_batch.strategy=memory_aware", "data-layer"),
+    ("communication.mode=parameter_server", "parameter-server"),
+    ("memory.optim_level=level3", "memory"),
+])
+def test_planned_values_are_refused_until_their_feature_exists(override, later):
+    msg = error_of(None, [override])
+    assert "is not available yet" in msg and later in msg
+
+
+def test_profile_errors(tmp_path):
+    assert "not found" in error_of(str(tmp_path / "missing.yaml"))
+    assert "line 2: not valid YAML" in error_of(write(tmp_path, "a: [\n"))
+    assert "top level must be a mapping" in error_of(write(tmp_path, "- 1\n- 2\n"))
+    msg = error_of(write(tmp_path, "train:\n  max_stepz: 3\n"))
+    assert msg.startswith(f"{tmp_path / 'train_config.yaml'}: unknown key 'train.max_stepz'")
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config(None, ["train.max_steps=9"])
+    again = load_config(write(tmp_path, to_yaml(cfg)))
+    assert again == cfg
+
+
+def test_cli_config_error_is_one_line_exit_2_before_ray(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rapidfire_ray", "train", "--profile",
+                           write(tmp_path, "train:\n  stage: rl\n")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "train.stage: 'rl' is not available yet" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ray" not in proc.stdout.lower()
+
+
+def test_cli_dry_run_and_config_print_resolved_yaml(tmp_path):
+    for cmd in (["train", "--profile", write(tmp_path, "run:\n  name: x\n"), "--dry-run", "train.max_steps=4"],
+                ["config", "--profile", write(tmp_path, "run:\n  name: x\n"), "train.max_steps=4"]):
+        proc = subprocess.run([sys.executable, "-m", "rapidfire_ray", *cmd], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "max_steps: 4" in proc.stdout and "name: x" in proc.stdout

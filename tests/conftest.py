@@ -1,0 +1,29 @@
+"""Shared fixtures: one embedded Ray cluster for the whole test session."""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE = os.path.join(REPO, "jobs", "data", "sft_sample.jsonl")
+TINY_PROFILE = os.path.join(REPO, "jobs", "configs", "tiny.yaml")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """A local Ray cluster shared by every test that needs one (started once, ~10 s)."""
+    import ray
+
+    from rapidfire_ray.launcher import WORKER_ENV
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, log_to_driver=True,
+                 runtime_env={"env_vars": WORKER_ENV},
+                 _temp_dir=str(tmp_path_factory.mktemp("ray")) if sys.platform == "linux" else None)
+    yield ray
+    ray.shutdown()
