@@ -101,5 +101,5 @@ def test_empty_after_filtering_is_an_error(ray_cluster, tmp_path):
 
 def test_oasst_sample_becomes_conversations(ray_cluster):
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ds, report = build_sft_dataset(cfg_for(f"{repo}/jobs/data/oasst_sample.jsonl", "oasst"))
+    ds, report = build_sft_dataset(cfg_for(f"{repo}/jobs/data/oasst_sample.jsonl", "oasst", **{"data.max_length": 2048}))
     assert report.rows == 20 and report.bad_rows == 1
