@@ -53,10 +53,11 @@ def connect(address: str | None, cfg: DictConfig) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    env = {"env_vars": WORKER_ENV}
     if address:
+        # No runtime_env here: inside `ray job submit` it would replace the job's (its working_dir);
+        # the training workers get WORKER_ENV through RunConfig.worker_runtime_env instead.
         try:
-            ray.init(address=address, runtime_env=env, log_to_driver=True)
+            ray.init(address=address, log_to_driver=True)
         except Exception as e:  # ConnectionError, auth errors, bad address formats
             raise RapidfireError(f"--address '{address}': could not connect to a Ray cluster "
                                  f"({str(e).splitlines()[0][:200]}); check the address (ip:port or auto), that the "
@@ -66,7 +67,7 @@ def connect(address: str | None, cfg: DictConfig) -> None:
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
     # One CPU beyond the workers' share, so Ray Data can still run tasks while they train.
     num_cpus = max(os.cpu_count() or 1, need + 1)
-    ray.init(num_cpus=num_cpus, runtime_env=env, log_to_driver=True)
+    ray.init(num_cpus=num_cpus, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
     say(f"started an embedded local Ray cluster ({num_cpus} CPUs)")
 
 

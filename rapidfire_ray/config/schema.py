@@ -6,95 +6,103 @@ feature arrives with a later part of the project are listed in `PLANNED` and ref
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, List, Optional
+
+MISSING_FACTORY = MISSING_DEFAULT = MISSING
+
+
+def opt(default: Any, doc: str):
+    """A config key with its default and a one-line doc (shown by `rapidfire config --reference`)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
 
 
 @dataclass
 class RunSection:
-    name: str = "rapidfire-run"  # run name: folder under output_dir, Ray Train run name
-    output_dir: str = "runs"  # where checkpoints, the final model and run_summary.json go
-    seed: int = 42  # seeds torch, data order and model init
+    name: str = opt("rapidfire-run", "run name: folder under output_dir, Ray Train run name")
+    output_dir: str = opt("runs", "where checkpoints, the final model and run_summary.json go")
+    seed: int = opt(42, "seeds torch, data order and model init")
 
 
 @dataclass
 class ModelSection:
-    # a built-in name (smollm2-135m, tiny-random), a local HF model directory or a hub id
-    name: str = "smollm2-135m"
+    name: str = opt("smollm2-135m", "a built-in name (smollm2-135m, tiny-random), a local HF model directory or a hub id")
 
 
 @dataclass
 class DynamicBatchSection:
-    strategy: str = "fixed"  # fixed | token_budget | memory_aware
-    min: Optional[int] = None  # smallest batch (rows) a dynamic strategy may pick
-    max: Optional[int] = None  # largest batch (rows) a dynamic strategy may pick
+    strategy: str = opt("fixed", "how batches are cut: fixed rows, a token budget, or from free memory")
+    min: Optional[int] = opt(None, "smallest batch (rows) a dynamic strategy may pick")
+    max: Optional[int] = opt(None, "largest batch (rows) a dynamic strategy may pick")
 
 
 @dataclass
 class DataSection:
-    path: str = "jobs/data/sft_sample.jsonl"  # a .jsonl/.parquet file or a folder of them
-    format: str = "prompt_completion"  # text | prompt_completion | messages | oasst
-    max_length: int = 512  # tokens; longer rows are truncated
-    on_bad_row: str = "skip"  # skip (count and report) | fail (stop naming the row)
-    prefetch_depth: int = 3  # batches prepared ahead of the step that needs them
+    path: str = opt("jobs/data/sft_sample.jsonl", "a .jsonl/.parquet file or a folder of them")
+    format: str = opt("prompt_completion", "row layout of the data files (see the README)")
+    max_length: int = opt(512, "tokens; longer rows are truncated")
+    on_bad_row: str = opt("skip", "skip: count and report bad rows; fail: stop at the first, naming it")
+    prefetch_depth: int = opt(3, "batches prepared ahead of the step that needs them")
     dynamic_batch: DynamicBatchSection = field(default_factory=DynamicBatchSection)
 
 
 @dataclass
 class TrainSection:
-    stage: str = "sft"  # sft | reward | rl | pipeline
-    max_steps: int = -1  # optimizer steps; -1 runs `epochs` epochs (as in transformers)
-    epochs: float = 1.0  # passes over the data when max_steps is -1
-    per_device_batch_size: int = 4  # rows per worker per micro-batch
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    lr_scheduler: str = "linear"  # constant | linear | cosine
-    warmup_steps: int = 0  # steps of linear learning-rate warm-up
-    log_every_steps: int = 1  # progress and metric reports, in optimizer steps
+    stage: str = opt("sft", "what to train: SFT, a reward model, RL, or all three in a row")
+    max_steps: int = opt(-1, "optimizer steps; -1 runs `epochs` epochs (as in transformers)")
+    epochs: float = opt(1.0, "passes over the data when max_steps is -1")
+    per_device_batch_size: int = opt(4, "rows per worker per micro-batch")
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
+    grad_clip: float = opt(1.0, "max global gradient norm; 0 disables clipping")
+    lr_scheduler: str = opt("linear", "learning-rate schedule after warm-up")
+    warmup_steps: int = opt(0, "steps of linear learning-rate warm-up")
+    log_every_steps: int = opt(1, "progress and metric reports, in optimizer steps")
 
 
 @dataclass
 class CompressionSection:
-    grad: str = "none"  # none | fp16 | 1bit | 2bit | auto: gradient codec on the wire
-    act: str = "none"  # none | int8: saved-activation compression
+    grad: str = opt("none", "gradient codec on the wire")
+    act: str = opt("none", "compression of activations saved for backward")
 
 
 @dataclass
 class OptimizerParams:
-    lr: float = 2.0e-5  # peak learning rate
-    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1.0e-8
+    lr: float = opt(2.0e-5, "peak learning rate")
+    weight_decay: float = opt(0.0, "decoupled (AdamW) weight decay")
+    betas: List[float] = opt([0.9, 0.999], "Adam beta1, beta2")
+    eps: float = opt(1.0e-8, "Adam epsilon")
     compression: CompressionSection = field(default_factory=CompressionSection)
 
 
 @dataclass
 class OptimizerSection:
-    type: str = "adamw"  # adamw | rapidfire_adamw
+    type: str = opt("adamw", "optimizer: torch AdamW, or the 1-bit Adam variant")
     params: OptimizerParams = field(default_factory=OptimizerParams)
 
 
 @dataclass
 class ScalingSection:
-    num_workers: int = 2  # Ray Train workers (one process each)
-    use_gpu: bool = False  # one GPU per worker when true
-    cpus_per_worker: int = 1  # CPUs reserved per worker; also its torch thread count
+    num_workers: int = opt(2, "Ray Train workers (one process each)")
+    use_gpu: bool = opt(False, "one GPU per worker when true")
+    cpus_per_worker: int = opt(1, "CPUs reserved per worker; also its torch thread count")
 
 
 @dataclass
 class CommunicationSection:
-    mode: str = "allreduce"  # allreduce | allreduce_compressed | parameter_server
+    mode: str = opt("allreduce", "how gradients are exchanged between workers")
 
 
 @dataclass
 class MemorySection:
-    optim_level: str = "level0"  # level0 | level1 | level2 | level3
+    optim_level: str = opt("level0", "memory optimisation level (level0: none)")
 
 
 @dataclass
 class CheckpointSection:
-    every_steps: int = 50  # save a Ray Train checkpoint every N optimizer steps (0: only at the end)
-    keep: int = 2  # newest checkpoints kept on storage
+    every_steps: int = opt(50, "save a Ray Train checkpoint every N optimizer steps (0: only at the end)")
+    keep: int = opt(2, "newest checkpoints kept on storage")
 
 
 @dataclass
@@ -156,3 +164,29 @@ PLANNED_IN = {
     "communication.mode": "the compressed-communication / parameter-server releases",
     "memory.optim_level": "the memory release",
 }
+
+
+def reference_markdown() -> str:
+    """The config reference as a Markdown table (docs/config.md is this output)."""
+    lines = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+
+    def walk(cls, prefix: str) -> None:
+        for f in fields(cls):
+            key = f"{prefix}{f.name}"
+            if f.default_factory is not MISSING_FACTORY and is_dataclass(f.default_factory()):
+                walk(type(f.default_factory()), f"{key}.")
+                continue
+            default = f.default_factory() if f.default is MISSING_DEFAULT else f.default
+            if key in CHOICES:
+                now, later = CHOICES[key]
+                allowed = ", ".join(f"`{v}`" for v in now) + "".join(f", `{v}` (*planned*)" for v in later)
+            elif key in RANGES:
+                low, high = RANGES[key]
+                allowed = f">= {low}" if high is None else f"{low} .. {high}"
+            else:
+                allowed = ""
+            shown = "null" if default is None else default
+            lines.append(f"| `{key}` | `{shown}` | {allowed} | {f.metadata.get('doc', '')} |")
+
+    walk(RapidfireConfig, "")
+    return "\n".join(lines) + "\n"

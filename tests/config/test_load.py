@@ -128,3 +128,15 @@ def test_cli_dry_run_and_config_print_resolved_yaml(tmp_path):
                               timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "max_steps: 4" in proc.stdout and "name: x" in proc.stdout
+
+
+def test_docs_config_reference_is_current():
+    import os
+
+    from rapidfire_ray.cli import REFERENCE_HEADER
+    from rapidfire_ray.config.schema import reference_markdown
+
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
+                        "config.md")
+    with open(docs, encoding="utf-8") as f:
+        assert f.read() == REFERENCE_HEADER + reference_markdown(), "run: rapidfire config --reference > docs/config.md"
