@@ -18,7 +18,8 @@ from .data.pipeline import build_sft_dataset  # noqa: E402
 from .data.sharding import TRAIN, ExactSplitDataConfig  # noqa: E402
 from .data.sources import list_data_files  # noqa: E402
 from .errors import RapidfireError, RunFailed  # noqa: E402
-from .results import atomic_write_json, export_model, summarise  # noqa: E402
+from .atomic import atomic_write_json
+from .results import export_model, summarise  # noqa: E402
 from .telemetry.progress import ProgressBoard, ProgressPrinter  # noqa: E402
 
 WORKER_ENV = {

@@ -5,25 +5,14 @@ a half-written summary or model, and an earlier complete one stays until the new
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
+from .atomic import publish_dir
 from .telemetry.timing import PHASES
 
 # Training-state files in a transformers checkpoint that are not part of the model.
 STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin")
-
-
-def atomic_write_json(path: str, data: dict) -> str:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
 
 
 def export_model(checkpoint_dir: str, model_dir: str) -> str:
@@ -32,12 +21,7 @@ def export_model(checkpoint_dir: str, model_dir: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(checkpoint_dir, tmp,
                     ignore=lambda _d, names: [n for n in names if n in STATE_FILES or n.startswith("rng_state")])
-    old = f"{model_dir}.old-{os.getpid()}"
-    if os.path.exists(model_dir):
-        os.replace(model_dir, old)
-    os.replace(tmp, model_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    return model_dir
+    return publish_dir(tmp, model_dir)
 
 
 def summarise(*, stage: str, snapshot: dict, num_workers: int, model_dir: str | None, data: dict,

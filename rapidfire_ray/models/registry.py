@@ -13,6 +13,7 @@ import shutil
 
 import torch
 
+from rapidfire_ray.atomic import publish_dir
 from rapidfire_ray.errors import RapidfireError
 from rapidfire_ray.models import smollm2, tiny
 
@@ -164,35 +165,16 @@ def save_pretrained_atomic(model, tokenizer, out_dir: str) -> str:
     out_dir = os.path.abspath(os.path.expanduser(out_dir)).rstrip(os.sep)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    pid = os.getpid()
-    tmp = f"{out_dir}.tmp-{pid}"
-    old = f"{out_dir}.tmp-{pid}-old"
-    for leftover in (tmp, old):
-        if os.path.lexists(leftover):
-            shutil.rmtree(leftover)
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    if os.path.lexists(tmp):
+        shutil.rmtree(tmp)
     try:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _fsync_tree(tmp)
-        if os.path.lexists(out_dir):
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
+        publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if os.path.lexists(old) and not os.path.lexists(out_dir):
-            os.rename(old, out_dir)  # put the previous save back
         raise
-    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
-
-def _fsync_tree(directory: str) -> None:
-    """Flush the files of a finished save to disk before it is renamed into place."""
-    for root, _dirs, files in os.walk(directory):
-        for fname in files:
-            fd = os.open(os.path.join(root, fname), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)

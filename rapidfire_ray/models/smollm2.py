@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from rapidfire_ray.atomic import publish_dir
+
 from rapidfire_ray.errors import RapidfireError
 
 log = logging.getLogger(__name__)
@@ -100,11 +102,7 @@ def build_once(final_dir: str, build: Callable[[str], None]) -> str:
                 build(tmp)
                 with open(os.path.join(tmp, MARKER), "w") as f:
                     json.dump({"format": CACHE_FORMAT, "created": time.time()}, f)
-                if os.path.lexists(final_dir):  # incomplete or an older format
-                    old = f"{final_dir}.tmp-{os.getpid()}-old"
-                    os.rename(final_dir, old)
-                    shutil.rmtree(old, ignore_errors=True)
-                os.rename(tmp, final_dir)
+                publish_dir(tmp, final_dir)  # replaces an incomplete or older-format cache
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise

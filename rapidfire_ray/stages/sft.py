@@ -29,7 +29,6 @@ def sft_args(cfg: dict, output_dir: str, use_cpu: bool) -> SFTConfig:
         adam_beta1=o["betas"][0],
         adam_beta2=o["betas"][1],
         adam_epsilon=o["eps"],
-        optim="adamw_torch",
         logging_steps=t["log_every_steps"],
         save_strategy="steps",
         save_steps=every if every > 0 else 10**9,  # the callback also saves the last step
