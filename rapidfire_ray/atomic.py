@@ -18,6 +18,17 @@ def atomic_write_json(path: str, data: dict) -> str:
     return path
 
 
+def atomic_write_jsonl(path: str, rows: list[dict]) -> str:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
 def fsync_tree(directory: str) -> None:
     """Flush a finished folder's files to disk before it is renamed into place."""
     for root, _dirs, files in os.walk(directory):

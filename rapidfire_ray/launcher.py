@@ -18,7 +18,7 @@ from .data.pipeline import build_sft_dataset  # noqa: E402
 from .data.sharding import TRAIN, ExactSplitDataConfig  # noqa: E402
 from .data.sources import list_data_files  # noqa: E402
 from .errors import RapidfireError, RunFailed  # noqa: E402
-from .atomic import atomic_write_json
+from .atomic import atomic_write_json, atomic_write_jsonl
 from .results import export_model, summarise  # noqa: E402
 from .telemetry.progress import ProgressBoard, ProgressPrinter  # noqa: E402
 
@@ -131,6 +131,9 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=cfg.scaling.num_workers,
                         model_dir=model_dir, data=report.to_dict(), wall_s=time.time() - t_start)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint is not None else None
+    # Every rank's record of every step (phase seconds, samples, tokens), for analysis.
+    atomic_write_jsonl(os.path.join(run_dir, "steps.jsonl"), sorted(snapshot["steps"],
+                                                                     key=lambda r: (r["step"], r["rank"])))
     path = atomic_write_json(os.path.join(run_dir, "run_summary.json"), summary)
     say(f"done: {summary['steps']} steps, final loss {summary['final_loss']}, {summary['tokens_per_s']} tokens/s; "
         f"model in {model_dir}; summary in {path}")
