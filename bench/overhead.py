@@ -44,12 +44,14 @@ def our_row_order(args) -> list[int]:
     from rapidfire_ray.config import load_config
     from rapidfire_ray.data.loader import ShardLoader
     from rapidfire_ray.data.pipeline import build_sft_dataset
+    from rapidfire_ray.data.sharding import TRAIN, ExactSplitDataConfig
     from rapidfire_ray.launcher import connect
 
     cfg = load_config(None, overrides(args, tempfile.gettempdir()))
     connect(None, cfg)
     ds, report = build_sft_dataset(cfg, num_cpus=max(1, int(ray.available_resources().get("CPU", 1)) - 1))
-    loader = ShardLoader(ds.iterator(), num_rows=report.rows, rank=0, world_size=1, batch_size=args.batch,
+    [shard] = [its[TRAIN] for its in ExactSplitDataConfig().configure({TRAIN: ds}, 1, None, None)]
+    loader = ShardLoader(shard, num_rows=report.rows, rank=0, world_size=1, batch_size=args.batch,
                          pad_id=0, seed=cfg.run.seed, with_sources=True)
     sources = [s for batch in loader for s in batch["sources"]]
     return [int(s.rsplit(":", 1)[1]) for s in sources[: args.steps * args.batch]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import time
 
 # Ray Train V2 patches print() in workers; with `datasets` fingerprinting it floods the logs.
@@ -48,6 +49,19 @@ def _check_resume(run_dir: str, resume: bool) -> None:
                              "run.name and run.output_dir, or start without --resume")
 
 
+def _probe(address: str) -> None:
+    """Fail fast on an ip:port where nothing listens (ray.init would retry for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return  # "auto", ray:// client addresses, http:// job addresses: left to Ray
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise RapidfireError(f"--address '{address}': could not connect to a Ray cluster (nothing answers at "
+                             f"{host}:{port}: {e.strerror or e}); check the address and that `ray start --head` "
+                             "is running there") from None
+
+
 def connect(address: str | None, cfg: DictConfig) -> None:
     """Join the cluster at `address`/RAY_ADDRESS (a `ray job submit` job has it set), reuse an
     already connected one, or start an embedded local cluster."""
@@ -55,6 +69,7 @@ def connect(address: str | None, cfg: DictConfig) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        _probe(address)
         # No runtime_env here: inside `ray job submit` it would replace the job's (its working_dir);
         # the training workers get WORKER_ENV through RunConfig.worker_runtime_env instead.
         try:

@@ -12,6 +12,7 @@ from functools import partial
 
 import ray
 import ray.data
+from ray.data.expressions import col
 
 from ..errors import RapidfireError
 from .sources import list_data_files, parse_file
@@ -77,7 +78,7 @@ def build_sft_dataset(cfg, num_cpus: int = 1):
                .flat_map(partial(_parse, fmt=d.format))
                .materialize())
     report.rows_read = records.count()
-    bad = records.filter(expr="error != ''")
+    bad = records.filter(expr=col("error") != "")
     report.bad_rows = bad.count()
     if report.bad_rows:
         report.bad_examples = [{"source": r["source"], "error": r["error"]} for r in bad.take(BAD_ROW_EXAMPLES)]
@@ -88,14 +89,14 @@ def build_sft_dataset(cfg, num_cpus: int = 1):
 
     # Spread the rows over enough blocks that tokenisation runs on several CPUs.
     blocks = max(1, min(4 * num_cpus, report.rows_read // 512 + 1))
-    tokens = (records.filter(expr="error == ''")
+    tokens = (records.filter(expr=col("error") == "")
               .repartition(blocks)
               .map_batches(SFTTokenizer, fn_constructor_args=(cfg.model.name, d.format, d.max_length),
                            batch_size=256, concurrency=(1, max(1, min(num_cpus, blocks))))
               .map_batches(_count_tokens, batch_size=256)
               .materialize())
     good_rows = tokens.count()
-    trainable = tokens.filter(expr="num_trained > 0")
+    trainable = tokens.filter(expr=col("num_trained") > 0)
     ds = (trainable.map_batches(partial(_order_key, seed=cfg.run.seed), batch_size=1024)
           .sort("order")
           .materialize())

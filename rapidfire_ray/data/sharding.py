@@ -36,6 +36,9 @@ class ExactSplitDataConfig(DataConfig):
                 continue
             bounds = shard_bounds(ds.count(), world_size)
             cuts = [end for _, end in bounds[:-1]]
-            for i, part in enumerate(ds.split_at_indices(cuts) if cuts else [ds]):
+            for i, part in enumerate(ds.split_at_indices(cuts) if cuts else [ds.copy(ds)]):
+                # Blocks in a fixed order: the loader's seeded shuffle (and the batches a
+                # resume skips) must see the same row sequence every time.
+                part.context.execution_options.preserve_order = True
                 output[i][name] = part.iterator()
         return output
