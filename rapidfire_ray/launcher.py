@@ -19,6 +19,7 @@ from .data.pipeline import build_sft_dataset  # noqa: E402
 from .data.sharding import TRAIN, ExactSplitDataConfig  # noqa: E402
 from .data.sources import list_data_files  # noqa: E402
 from .errors import RapidfireError, RunFailed  # noqa: E402
+from .models import load_tokenizer  # noqa: E402
 from .atomic import atomic_write_json, atomic_write_jsonl
 from .results import export_model, summarise  # noqa: E402
 from .telemetry.progress import ProgressBoard, ProgressPrinter  # noqa: E402
@@ -94,7 +95,10 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     from .worker import train_loop_per_worker
 
     t_start = time.time()
-    list_data_files(cfg.data.path)  # fail on a missing path before Ray starts
+    # Fail on a missing data path or an unusable model name before Ray starts (the tokenizer is
+    # small; for smollm2-135m this also builds the converted-model cache the workers load).
+    list_data_files(cfg.data.path)
+    load_tokenizer(cfg.model.name)
     run_dir = run_dir_of(cfg)
     _check_resume(run_dir, resume)
     connect(address, cfg)

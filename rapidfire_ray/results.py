@@ -31,6 +31,7 @@ def summarise(*, stage: str, snapshot: dict, num_workers: int, model_dir: str | 
     rank0 = [r for r in steps if r["rank"] == 0]
     step_time = sum(r["phases"]["step"] for r in rank0)
     tokens = sum(r["tokens"] for r in steps)
+    padded = sum(r["padded_tokens"] for r in steps)  # tokens the model computed on, padding included
     # Fractions of step time, averaged over ranks: each rank's phase seconds over its step seconds.
     breakdown = {}
     for phase in (*PHASES, "other"):
@@ -49,6 +50,7 @@ def summarise(*, stage: str, snapshot: dict, num_workers: int, model_dir: str | 
         "samples": sum(r["samples"] for r in steps),
         "tokens": tokens,
         "tokens_per_s": round(tokens / step_time, 3) if step_time else 0.0,
+        "padding_fraction": round(1 - tokens / padded, 4) if padded else 0.0,
         "train_time_s": round(step_time, 3),
         "wall_time_s": round(wall_s, 3),
         "first_loss": losses[0][1] if losses else None,

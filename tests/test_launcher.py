@@ -29,6 +29,7 @@ def test_cli_run_trains_checkpoints_and_summarises(tiny_run):
     assert s["stage"] == "sft" and s["steps"] == 8 and s["num_workers"] == 2
     assert s["samples"] == 8 * 8 * 2  # steps x per-device batch x workers
     assert s["tokens"] > s["samples"] and s["tokens_per_s"] > 0
+    assert 0 < s["padding_fraction"] < 1  # variable-length rows padded to the longest in the batch
     assert s["final_loss"] < s["first_loss"], s["loss_history"]  # it learns
     assert [h["step"] for h in s["loss_history"]] == list(range(1, 9))
     fractions = s["time_breakdown"]
@@ -89,3 +90,26 @@ def test_smollm2_trains_one_step_offline(ray_cluster, tmp_path, monkeypatch):
                             "per_device_batch_size": 2}, data={"max_length": 64}, scaling={"num_workers": 1},
                             checkpoint={"every_steps": 0})
     assert s["steps"] == 1 and math.isfinite(s["final_loss"]) and 0 < s["final_loss"] < 20
+
+
+def test_bad_model_name_fails_before_ray_with_exit_2(tmp_path, capsys):
+    (tmp_path / "not-a-model").mkdir()
+    rc = main(["train", "--profile", TINY, f"run.output_dir={tmp_path}", f"model.name={tmp_path}/not-a-model"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "model.name" in err and "config.json" in err and "\n" not in err
+
+
+def test_a_failing_run_exits_1_and_writes_no_summary(ray_cluster, tmp_path, capsys):
+    """A model directory whose weights are corrupt: the tokenizer loads, the workers fail."""
+    import torch
+
+    from rapidfire_ray.models import load_model, load_tokenizer, save_pretrained_atomic
+
+    model_dir = save_pretrained_atomic(load_model("tiny-random", torch.float32), load_tokenizer("tiny-random"),
+                                       str(tmp_path / "broken"))
+    (tmp_path / "broken" / "model.safetensors").write_bytes(b"not safetensors")
+    rc = main(["train", "--profile", TINY, f"run.output_dir={tmp_path}", f"model.name={model_dir}",
+               "train.max_steps=2"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1 and err.startswith("rapidfire: training failed:")
+    assert not (tmp_path / "tiny" / "run_summary.json").exists()

@@ -66,7 +66,8 @@ class ShardLoader:
         self._skip = 0
         self.wait_s = 0.0  # seconds the consumer spent blocked on the next batch; telemetry drains it
         self.rows_yielded = 0
-        self.tokens_yielded = 0
+        self.tokens_yielded = 0  # real tokens (not padding)
+        self.padded_tokens_yielded = 0  # tokens including padding: what the model computes on
 
     def __len__(self) -> int:
         return self.num_batches
@@ -111,6 +112,7 @@ class ShardLoader:
             self.wait_s += time.perf_counter() - t0
             self.rows_yielded += size
             self.tokens_yielded += int(batch["attention_mask"].sum())
+            self.padded_tokens_yielded += batch["attention_mask"].numel()
             yield batch
         leftover = sum(1 for _ in rows)
         if leftover:

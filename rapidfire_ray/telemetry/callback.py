@@ -19,16 +19,19 @@ class RayRunCallback(TrainerCallback):
         self.rank = rank
         self.every_steps = every_steps
         self._opt_start = None
-        self._rows = 0
-        self._tokens = 0
+        self._counts = (0, 0, 0)
         self._last_loss = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.timer.take()  # start the first step's clock here, after model and optimizer set-up
         self.loader.wait_s = 0.0
-        self._rows, self._tokens = self.loader.rows_yielded, self.loader.tokens_yielded
+        self._counts = self._loader_counts()
         if self.rank == 0:
             self.board.set_plan.remote(state.max_steps, state.global_step)
+
+    def _loader_counts(self) -> tuple[int, int, int]:
+        loader = self.loader
+        return loader.rows_yielded, loader.tokens_yielded, loader.padded_tokens_yielded
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._opt_start = time.perf_counter()
@@ -42,12 +45,13 @@ class RayRunCallback(TrainerCallback):
         self.timer.add("data_wait", self.loader.wait_s)
         self.loader.wait_s = 0.0
         phases = self.timer.take()
-        rows, tokens = self.loader.rows_yielded, self.loader.tokens_yielded
+        counts = self._loader_counts()
+        samples, tokens, padded = (now - before for now, before in zip(counts, self._counts))
+        self._counts = counts
         self.board.push_step.remote({
             "rank": self.rank, "step": state.global_step, "time": time.time(), "phases": phases,
-            "samples": rows - self._rows, "tokens": tokens - self._tokens, "peak_memory_bytes": peak_memory_bytes(),
+            "samples": samples, "tokens": tokens, "padded_tokens": padded, "peak_memory_bytes": peak_memory_bytes(),
         })
-        self._rows, self._tokens = rows, tokens
         # Save on schedule and always at the last step (transformers only saves on the schedule).
         if state.global_step >= state.max_steps or (self.every_steps and state.global_step % self.every_steps == 0):
             control.should_save = True
