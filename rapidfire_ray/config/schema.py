@@ -28,7 +28,8 @@ class RunSection:
 
 @dataclass
 class ModelSection:
-    name: str = opt("smollm2-135m", "a built-in name (smollm2-135m, tiny-random), a local HF model directory or a hub id")
+    name: str = opt("smollm2-135m",
+                    "a built-in name (smollm2-135m, tiny-random), a local HF model directory or a hub id")
 
 
 @dataclass

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 
 import ray
 

@@ -16,6 +16,7 @@ from rapidfire_ray.data.formats import (
     normalise,
 )
 from rapidfire_ray.errors import RapidfireError
+from record_checks import check_records
 
 FIELD_KEYS = tuple(k for k in RECORD_KEYS if k != "source")
 
@@ -26,15 +27,6 @@ def check_fields(fields: dict) -> dict:
     if fields["error"]:
         assert all(fields[k] == "" for k in FIELD_KEYS if k != "error")
     return fields
-
-
-def check_records(records: list[dict]) -> list[dict]:
-    for rec in records:
-        assert tuple(rec) == RECORD_KEYS
-        assert all(type(v) is str for v in rec.values()), rec
-        if rec["error"]:
-            assert all(rec[k] == "" for k in RECORD_KEYS[2:])
-    return records
 
 
 def norm(obj, fmt):

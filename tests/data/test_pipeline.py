@@ -11,7 +11,6 @@ from rapidfire_ray.config import load_config
 from rapidfire_ray.data.pipeline import build_sft_dataset
 from rapidfire_ray.data.tokenize import SFTTokenizer
 from rapidfire_ray.errors import RapidfireError
-from rapidfire_ray.models import load_tokenizer
 
 
 def cfg_for(path, fmt="prompt_completion", **extra):
@@ -101,5 +100,7 @@ def test_empty_after_filtering_is_an_error(ray_cluster, tmp_path):
 
 def test_oasst_sample_becomes_conversations(ray_cluster):
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ds, report = build_sft_dataset(cfg_for(f"{repo}/jobs/data/oasst_sample.jsonl", "oasst", **{"data.max_length": 2048}))
+    # byte-level tiny tokenizer + ChatML's default system prompt: conversations need room
+    cfg = cfg_for(f"{repo}/jobs/data/oasst_sample.jsonl", "oasst", **{"data.max_length": 2048})
+    ds, report = build_sft_dataset(cfg)
     assert report.rows == 20 and report.bad_rows == 1

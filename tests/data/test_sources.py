@@ -13,18 +13,10 @@ import pytest
 from rapidfire_ray.data.formats import DROPPED_REASON, RECORD_KEYS
 from rapidfire_ray.data.sources import SUPPORTED_SUFFIXES, list_data_files, parse_file
 from rapidfire_ray.errors import RapidfireError
+from record_checks import check_records
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "jobs" / "data"
-
-
-def check_records(records: list[dict]) -> list[dict]:
-    for rec in records:
-        assert tuple(rec) == RECORD_KEYS
-        assert all(type(v) is str for v in rec.values()), rec
-        if rec["error"]:
-            assert all(rec[k] == "" for k in RECORD_KEYS[2:])
-    return records
 
 
 def parse(path, content, fmt):
