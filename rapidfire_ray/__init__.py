@@ -10,15 +10,14 @@ __all__ = ["RapidfireError", "RunFailed", "train", "__version__"]
 
 
 def train(profile: Any = None, *, address: str | None = None, resume: bool = False,
-          overrides: Mapping[str, Any] | None = None, **sections: Mapping[str, Any]) -> dict:
+          overrides: Mapping[str, Any] | None = None, **more: Any) -> dict:
     """Run a training job and return its summary (the contents of `run_summary.json`).
 
-    `profile` is a train_config.yaml path, a mapping or None (defaults). Override keys either
-    dotted (`overrides={"train.max_steps": 10}`) or by section (`train={"max_steps": 10}`).
+    `profile` is a train_config.yaml path, a mapping or None (defaults). Override keys dotted
+    (`overrides={"train.max_steps": 10}` or `**{"train.max_steps": 10}`) or by section
+    (`train={"max_steps": 10}`).
     """
     from .config import load_config
     from .launcher import run
 
-    merged = {f"{section}.{key}": value for section, values in sections.items() for key, value in values.items()}
-    merged.update(overrides or {})
-    return run(load_config(profile, merged), address=address, resume=resume)
+    return run(load_config(profile, {**more, **(overrides or {})}), address=address, resume=resume)
