@@ -35,7 +35,7 @@ def load_config(profile: ProfileLike = None, overrides: Iterable[str] | Mapping[
             data = OmegaConf.to_container(profile) if isinstance(profile, DictConfig) else dict(profile)
             _merge(cfg, _nest(data, where), where)
     if overrides:
-        items = overrides.items() if isinstance(overrides, Mapping) else _parse_dotlist(overrides)
+        items = overrides.items() if isinstance(overrides, Mapping) else parse_overrides(overrides)
         for key, value in items:
             _merge(cfg, _nest({key: value}, "override"), f"override {key}={value!r}")
     validate(cfg)
@@ -67,7 +67,8 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
-def _parse_dotlist(items: Iterable[str]) -> list[tuple[str, Any]]:
+def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
+    """`key=value` strings -> (key, value) with the value read as YAML (numbers, lists, null)."""
     out = []
     for item in items:
         key, sep, raw = item.partition("=")
