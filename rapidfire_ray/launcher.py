@@ -15,7 +15,8 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 import ray  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from .data.pipeline import build_sft_dataset  # noqa: E402
+from .data.loader import TokenBudget  # noqa: E402
+from .data.pipeline import build_sft_dataset, row_lengths  # noqa: E402
 from .data.sharding import TRAIN, ExactSplitDataConfig  # noqa: E402
 from .data.sources import list_data_files  # noqa: E402
 from .errors import RapidfireError, RunFailed  # noqa: E402
@@ -88,6 +89,19 @@ def connect(address: str | None, cfg: DictConfig) -> None:
     say(f"started an embedded local Ray cluster ({num_cpus} CPUs)")
 
 
+def token_budget_lengths(cfg: DictConfig, ds):
+    """Row lengths for token-budget planning, checked here so an impossible plan fails before training."""
+    if cfg.data.dynamic_batch.strategy != "token_budget":
+        return None
+    budget = TokenBudget.from_config(cfg, row_lengths(ds))
+    try:
+        steps = len(budget.plan(cfg.scaling.num_workers)[0])
+    except ValueError as e:
+        raise RapidfireError(f"data.dynamic_batch: {e}") from None
+    say(f"token_budget: {budget.max_tokens} padded tokens per batch, {steps} batches per worker per epoch")
+    return budget.lengths
+
+
 def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -111,6 +125,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         raise RapidfireError(f"scaling.num_workers: {cfg.scaling.num_workers} workers but only {report.rows} "
                              "usable rows; use fewer workers or more data")
 
+    lengths = token_budget_lengths(cfg, ds)
     plain = OmegaConf.to_container(cfg, resolve=True)
     board = ProgressBoard.remote()
     sample_rows = [{"input_ids": [int(t) for t in r["input_ids"]],
@@ -118,7 +133,8 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
                    for r in ds.take(2)]
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": plain, "num_rows": report.rows, "board": board, "sample_rows": sample_rows},
+        train_loop_config={"cfg": plain, "num_rows": report.rows, "board": board, "sample_rows": sample_rows,
+                           "lengths": lengths},
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
         run_config=RunConfig(

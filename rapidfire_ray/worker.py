@@ -13,7 +13,7 @@ import tempfile
 import ray.train
 import torch
 
-from .data.loader import ShardLoader
+from .data.loader import ShardLoader, TokenBudget
 from .data.sharding import TRAIN
 from .models import load_model, load_tokenizer
 from .stages.sft import build_sft_trainer
@@ -34,7 +34,7 @@ def train_loop_per_worker(config: dict) -> None:
     loader = ShardLoader(ray.train.get_dataset_shard(TRAIN), num_rows=config["num_rows"], rank=rank,
                          world_size=world, batch_size=cfg["train"]["per_device_batch_size"],
                          pad_id=tokenizer.pad_token_id, prefetch_depth=cfg["data"]["prefetch_depth"],
-                         seed=cfg["run"]["seed"])
+                         seed=cfg["run"]["seed"], budget=TokenBudget.from_config(cfg, config["lengths"]))
     timer = StepTimer()
     callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
                               every_steps=cfg["checkpoint"]["every_steps"])

@@ -113,3 +113,13 @@ def test_a_failing_run_exits_1_and_writes_no_summary(ray_cluster, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 1 and err.startswith("rapidfire: training failed:")
     assert not (tmp_path / "tiny" / "run_summary.json").exists()
+
+
+def test_token_budget_run_trains_with_little_padding(ray_cluster, tmp_path):
+    s = rapidfire_ray.train(TINY, run={"output_dir": str(tmp_path), "name": "tb"}, train={"max_steps": 4},
+                            checkpoint={"every_steps": 0},
+                            data={"dynamic_batch": {"strategy": "token_budget", "max_tokens": 1024}})
+    assert s["steps"] == 4 and s["final_loss"] < s["first_loss"]
+    assert s["padding_fraction"] <= 0.05  # max_padding's default
+    steps = [json.loads(line) for line in (tmp_path / "tb" / "steps.jsonl").read_text().splitlines()]
+    assert all(r["padded_tokens"] <= 1024 for r in steps)  # one micro-batch per step: the budget holds

@@ -184,13 +184,22 @@ def validate(cfg: DictConfig) -> None:
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise RapidfireError(f"optimizer.params.betas: {betas} is invalid; allowed: two numbers in [0, 1), "
                              "e.g. [0.9, 0.999]")
-    lo, hi = cfg.data.dynamic_batch.min, cfg.data.dynamic_batch.max
-    if cfg.data.dynamic_batch.strategy == "fixed" and (lo is not None or hi is not None):
-        raise RapidfireError("data.dynamic_batch.min/max: only used by a dynamic strategy (token_budget, "
-                             "memory_aware), which comes with the data-layer release; remove them with strategy "
-                             "'fixed' (the batch is train.per_device_batch_size)")
-    if lo is not None and hi is not None and lo > hi:
-        raise RapidfireError(f"data.dynamic_batch.min: {lo} is larger than data.dynamic_batch.max: {hi}; "
+    db = cfg.data.dynamic_batch
+    if db.strategy == "fixed":
+        for key in ("min", "max", "max_tokens"):
+            if db[key] is not None:
+                raise RapidfireError(f"data.dynamic_batch.{key}: only used by a dynamic strategy (token_budget, "
+                                     "memory_aware); remove it with strategy 'fixed' (the batch is "
+                                     "train.per_device_batch_size rows)")
+    if db.strategy == "token_budget":
+        if db.min is not None:
+            raise RapidfireError("data.dynamic_batch.min: not used by token_budget (the budget sets the batch); "
+                                 "remove it, or cap rows with data.dynamic_batch.max")
+        if db.max_tokens is not None and db.max_tokens < cfg.data.max_length:
+            raise RapidfireError(f"data.dynamic_batch.max_tokens: {db.max_tokens} is smaller than one row of "
+                                 f"data.max_length {cfg.data.max_length} tokens; raise it to >= {cfg.data.max_length}")
+    if db.min is not None and db.max is not None and db.min > db.max:
+        raise RapidfireError(f"data.dynamic_batch.min: {db.min} is larger than data.dynamic_batch.max: {db.max}; "
                              "set min <= max")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", cfg.run.name):
         raise RapidfireError(f"run.name: {_show(cfg.run.name)} is invalid; allowed: letters, digits, '.', "

@@ -10,6 +10,7 @@ import hashlib
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
+import numpy as np
 import ray
 import ray.data
 from ray.data.expressions import col
@@ -109,5 +110,12 @@ def build_sft_dataset(cfg, num_cpus: int = 1):
     report.tokens = int(ds.sum("num_tokens"))
     report.trained_tokens = int(ds.sum("num_trained"))
     report.truncated_rows = int(ds.sum("truncated"))
-    ds = ds.select_columns(["input_ids", "loss_mask", "source"]).materialize()
+    ds = ds.select_columns(["input_ids", "loss_mask", "source", "num_tokens"]).materialize()
     return ds, report
+
+
+def row_lengths(ds) -> np.ndarray:
+    """Token count of every row, in dataset order (the order the shards are cut in)."""
+    parts = [b["num_tokens"] for b in ds.select_columns(["num_tokens"]).iter_batches(batch_format="numpy",
+                                                                                     batch_size=None)]
+    return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)

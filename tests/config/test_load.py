@@ -76,7 +76,7 @@ def test_overrides_win_over_profile_and_accept_dotted_and_nested(tmp_path):
     ("optimizer.params.lr=2", "optimizer.params.lr: 2.0 is out of range"),
     ("optimizer.params.betas=[0.9]", "optimizer.params.betas: [0.9] is invalid"),
     ("run.name=a/b", "run.name: 'a/b' is invalid"),
-    ("data.dynamic_batch.max=8", "data.dynamic_batch.min/max: only used by a dynamic strategy"),
+    ("data.dynamic_batch.max=8", "data.dynamic_batch.max: only used by a dynamic strategy"),
     ("bad", "override 'bad': expected key=value"),
 ])
 def test_bad_values_name_key_value_and_allowed(override, expected):
@@ -96,6 +96,17 @@ def test_bad_values_name_key_value_and_allowed(override, expected):
 def test_planned_values_are_refused_until_their_feature_exists(override, later):
     msg = error_of(None, [override])
     assert "is not available yet" in msg and later in msg
+
+
+def test_token_budget_rules():
+    cfg = load_config(None, ["data.dynamic_batch.strategy=token_budget", "data.dynamic_batch.max_tokens=4096"])
+    assert cfg.data.dynamic_batch.max_tokens == 4096
+    tb = "data.dynamic_batch.strategy=token_budget"
+    assert "smaller than one row of data.max_length 512" in error_of(None, [tb, "data.dynamic_batch.max_tokens=100"])
+    assert "data.dynamic_batch.min: not used by token_budget" in error_of(None, [tb, "data.dynamic_batch.min=2"])
+    msg = error_of(None, ["data.dynamic_batch.strategy=memory_aware", "data.dynamic_batch.min=8",
+                          "data.dynamic_batch.max=4"])
+    assert "is not available yet" in msg  # the strategy is refused first
 
 
 def test_profile_errors(tmp_path):
