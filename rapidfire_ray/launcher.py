@@ -150,19 +150,22 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     )
     say(f"training: stage {cfg.train.stage}, model {cfg.model.name}, {cfg.scaling.num_workers} worker(s)"
         + (", resuming from the latest checkpoint" if resume else ""))
-    with ProgressPrinter(board):
-        try:
-            result = trainer.fit()
-        except Exception as e:
-            raise RunFailed(f"training failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-    if result.error is not None:
-        raise RunFailed(f"training failed: {result.error}")
+    try:
+        with ProgressPrinter(board):
+            try:
+                result = trainer.fit()
+            except Exception as e:
+                raise RunFailed(f"training failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        if result.error is not None:
+            raise RunFailed(f"training failed: {result.error}")
+        snapshot = ray.get(board.snapshot.remote())
+    finally:
+        ray.kill(board)
 
     model_dir = None
     if result.checkpoint is not None:
         with result.checkpoint.as_directory() as ckpt:
             model_dir = export_model(ckpt, os.path.join(run_dir, "model"))
-    snapshot = ray.get(board.snapshot.remote())
     summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=cfg.scaling.num_workers,
                         model_dir=model_dir, data=report.to_dict(), wall_s=time.time() - t_start)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint is not None else None
