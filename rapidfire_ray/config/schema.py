@@ -47,7 +47,8 @@ class DynamicBatchSection:
 class DataSection:
     path: str = opt("jobs/data/sft_sample.jsonl", "a .jsonl/.parquet file or a folder of them")
     format: str = opt("prompt_completion", "row layout of the data files (see the README)")
-    max_length: int = opt(512, "tokens; longer rows are truncated")
+    max_length: int = opt(512, "tokens per row at most (see overlong)")
+    overlong: str = opt("truncate", "rows longer than max_length: truncate them, or drop them (counted)")
     on_bad_row: str = opt("skip", "skip: count and report bad rows; fail: stop at the first, naming it")
     prefetch_depth: int = opt(3, "batches prepared ahead of the step that needs them")
     dynamic_batch: DynamicBatchSection = field(default_factory=DynamicBatchSection)
@@ -127,6 +128,7 @@ class RapidfireConfig:
 CHOICES = {
     "data.format": (("text", "prompt_completion", "messages", "oasst"), ()),
     "data.on_bad_row": (("skip", "fail"), ()),
+    "data.overlong": (("truncate", "drop"), ()),
     "data.dynamic_batch.strategy": (("fixed", "token_budget"), ("memory_aware",)),
     "train.stage": (("sft",), ("reward", "rl", "pipeline")),
     "train.lr_scheduler": (("constant", "linear", "cosine"), ()),

@@ -31,6 +31,7 @@ class DataReport:
     empty_after_truncation: int = 0
     rows: int = 0
     truncated_rows: int = 0
+    dropped_overlong: int = 0
     tokens: int = 0
     trained_tokens: int = 0
 
@@ -40,6 +41,8 @@ class DataReport:
         if self.bad_rows:
             first = self.bad_examples[0]
             line += f"; skipped {self.bad_rows} bad row(s), e.g. {first['source']}: {first['error']}"
+        if self.dropped_overlong:
+            line += f"; dropped {self.dropped_overlong} row(s) longer than data.max_length (data.overlong: drop)"
         if self.empty_after_truncation:
             line += f"; skipped {self.empty_after_truncation} row(s) with nothing to train on within data.max_length"
         return line
@@ -96,6 +99,9 @@ def build_sft_dataset(cfg, num_cpus: int = 1):
                            batch_size=256, concurrency=(1, max(1, min(num_cpus, blocks))))
               .map_batches(_count_tokens, batch_size=256)
               .materialize())
+    if d.overlong == "drop":
+        report.dropped_overlong = int(tokens.sum("truncated") or 0)
+        tokens = tokens.filter(expr=col("truncated") == 0).materialize()
     good_rows = tokens.count()
     trainable = tokens.filter(expr=col("num_trained") > 0)
     ds = (trainable.map_batches(partial(_order_key, seed=cfg.run.seed), batch_size=1024)

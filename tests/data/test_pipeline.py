@@ -104,3 +104,14 @@ def test_oasst_sample_becomes_conversations(ray_cluster):
     cfg = cfg_for(f"{repo}/jobs/data/oasst_sample.jsonl", "oasst", **{"data.max_length": 2048})
     ds, report = build_sft_dataset(cfg)
     assert report.rows == 20 and report.bad_rows == 1
+
+
+def test_overlong_rows_are_truncated_or_dropped_and_counted(ray_cluster, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "completion": "short"},
+                                              {"prompt": "p", "completion": "x" * 200}])
+    ds, report = build_sft_dataset(cfg_for(path))  # max_length 64, byte-level tokenizer
+    assert (report.rows, report.truncated_rows, report.dropped_overlong) == (2, 1, 0)
+    assert max(len(r["input_ids"]) for r in ds.take_all()) == 64
+    ds, report = build_sft_dataset(cfg_for(path, **{"data.overlong": "drop"}))
+    assert (report.rows, report.truncated_rows, report.dropped_overlong) == (1, 0, 1)
+    assert "dropped 1 row(s) longer than data.max_length" in report.describe()
