@@ -79,6 +79,12 @@ def _from_hub(name: str, load):
         ) from None
 
 
+def _load(name: str, load):
+    """`load` a local model directory, or else a hub id (with a clear error if that fails)."""
+    path = _local_dir(name)
+    return load(path) if path is not None else _from_hub(name, load)
+
+
 # --------------------------------------------------------------------------------------------
 # public API
 
@@ -110,11 +116,7 @@ def load_tokenizer(name: str):
     if name == smollm2.NAME:
         tokenizer = smollm2.load_tokenizer()
     else:
-        path = _local_dir(name)
-        if path is not None:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        else:
-            tokenizer = _from_hub(name, AutoTokenizer.from_pretrained)
+        tokenizer = _load(name, AutoTokenizer.from_pretrained)
     return ensure_tokenizer_defaults(tokenizer)
 
 
@@ -127,10 +129,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32):
         return tiny.build_model(dtype)
     if name == smollm2.NAME:
         return smollm2.load_model(dtype)
-    path = _local_dir(name)
-    if path is not None:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return _from_hub(name, lambda n: AutoModelForCausalLM.from_pretrained(n, dtype=dtype))
+    return _load(name, lambda n: AutoModelForCausalLM.from_pretrained(n, dtype=dtype))
 
 
 def model_num_parameters(name: str) -> int:
@@ -145,11 +144,7 @@ def model_num_parameters(name: str) -> int:
             return smollm2.NUM_PARAMETERS
         config = AutoConfig.from_pretrained(source)
     else:
-        path = _local_dir(name)
-        if path is not None:
-            config = AutoConfig.from_pretrained(path)
-        else:
-            config = _from_hub(name, AutoConfig.from_pretrained)
+        config = _load(name, AutoConfig.from_pretrained)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     # Tied weights are one Parameter, counted once by parameters().
