@@ -198,9 +198,6 @@ def validate(cfg: DictConfig) -> None:
         if db.max_tokens is not None and db.max_tokens < cfg.data.max_length:
             raise RapidfireError(f"data.dynamic_batch.max_tokens: {db.max_tokens} is smaller than one row of "
                                  f"data.max_length {cfg.data.max_length} tokens; raise it to >= {cfg.data.max_length}")
-    if db.min is not None and db.max is not None and db.min > db.max:
-        raise RapidfireError(f"data.dynamic_batch.min: {db.min} is larger than data.dynamic_batch.max: {db.max}; "
-                             "set min <= max")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", cfg.run.name):
         raise RapidfireError(f"run.name: {_show(cfg.run.name)} is invalid; allowed: letters, digits, '.', "
                              "'_', '-' (it names a folder), at most 100 characters")

@@ -40,6 +40,10 @@ class StepTimer:
             _sync()
             self._acc[name] += time.perf_counter() - t0
 
+    def seconds(self, name: str) -> float:
+        """Seconds accumulated in phase `name` since the last `take()`."""
+        return self._acc[name]
+
     def add(self, name: str, seconds: float) -> None:
         self._acc[name] += seconds
 
