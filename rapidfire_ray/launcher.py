@@ -15,14 +15,14 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 import ray  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from .data.loader import TokenBudget  # noqa: E402
+from .data.loader import DynamicBatches  # noqa: E402
 from .data.pipeline import build_sft_dataset, row_lengths  # noqa: E402
 from .data.sharding import TRAIN, ExactSplitDataConfig  # noqa: E402
 from .data.sources import list_data_files  # noqa: E402
 from .errors import RapidfireError, RunFailed  # noqa: E402
 from .models import load_tokenizer  # noqa: E402
 from .atomic import atomic_write_json, atomic_write_jsonl
-from .results import export_model, summarise  # noqa: E402
+from .results import export_model, memory_check, summarise  # noqa: E402
 from .telemetry.progress import ProgressBoard, ProgressPrinter  # noqa: E402
 
 WORKER_ENV = {
@@ -89,17 +89,22 @@ def connect(address: str | None, cfg: DictConfig) -> None:
     say(f"started an embedded local Ray cluster ({num_cpus} CPUs)")
 
 
-def token_budget_lengths(cfg: DictConfig, ds):
-    """Row lengths for token-budget planning, checked here so an impossible plan fails before training."""
-    if cfg.data.dynamic_batch.strategy != "token_budget":
+def dynamic_batch_lengths(cfg: DictConfig, ds):
+    """Row lengths for dynamic batching (None with fixed batches). A token-budget plan is checked
+    here, so an impossible one fails before training; a memory-aware plan needs the workers'
+    free memory and is made (and checked) on the workers."""
+    strategy = cfg.data.dynamic_batch.strategy
+    if strategy == "fixed":
         return None
-    budget = TokenBudget.from_config(cfg, row_lengths(ds))
-    try:
-        steps = len(budget.plan(cfg.scaling.num_workers)[0])
-    except ValueError as e:
-        raise RapidfireError(f"data.dynamic_batch: {e}") from None
-    say(f"token_budget: {budget.max_tokens} padded tokens per batch, {steps} batches per worker per epoch")
-    return budget.lengths
+    lengths = row_lengths(ds)
+    if strategy == "token_budget":
+        batches = DynamicBatches.token_budget(cfg, lengths)
+        try:
+            steps = len(batches.plan(cfg.scaling.num_workers)[0])
+        except ValueError as e:
+            raise RapidfireError(f"data.dynamic_batch: {e}") from None
+        say(f"token_budget: {batches.description}, {steps} batches per worker per epoch")
+    return lengths
 
 
 def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
@@ -125,7 +130,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         raise RapidfireError(f"scaling.num_workers: {cfg.scaling.num_workers} workers but only {report.rows} "
                              "usable rows; use fewer workers or more data")
 
-    lengths = token_budget_lengths(cfg, ds)
+    lengths = dynamic_batch_lengths(cfg, ds)
     plain = OmegaConf.to_container(cfg, resolve=True)
     board = ProgressBoard.remote()
     sample_rows = [{"input_ids": [int(t) for t in r["input_ids"]],
@@ -159,6 +164,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         if result.error is not None:
             raise RunFailed(f"training failed: {result.error}")
         snapshot = ray.get(board.snapshot.remote())
+        memory_model = ray.get(board.get.remote("memory_model"))
     finally:
         ray.kill(board)
 
@@ -169,6 +175,12 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=cfg.scaling.num_workers,
                         model_dir=model_dir, data=report.to_dict(), wall_s=time.time() - t_start)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint is not None else None
+    if memory_model is not None:
+        summary["memory_model"] = memory_check(memory_model, snapshot["steps"])
+        say(f"memory_aware: {memory_model['description']}; estimated peak "
+            f"{memory_model['estimated_peak_bytes'] / 2**30:.2f} GiB for the largest batch "
+            f"({memory_model['largest_batch']['rows']} x {memory_model['largest_batch']['width']} tokens), "
+            f"measured {summary['memory_model']['measured_peak_bytes'] / 2**30:.2f} GiB on rank 0")
     # Every rank's record of every step (phase seconds, samples, tokens), for analysis.
     atomic_write_jsonl(os.path.join(run_dir, "steps.jsonl"), sorted(snapshot["steps"],
                                                                      key=lambda r: (r["step"], r["rank"])))

@@ -62,3 +62,15 @@ def summarise(*, stage: str, snapshot: dict, num_workers: int, model_dir: str | 
         "model_dir": model_dir,
         "data": data,
     }
+
+
+def memory_check(report: dict, steps: list[dict]) -> dict:
+    """The memory model's estimate (rank 0's largest planned batch, fixed state included) next to
+    the memory rank 0 actually used: peak accelerator memory on GPU; on CPU the growth of the
+    process's peak resident set since before the model was loaded."""
+    peak = max((r["peak_memory_bytes"] for r in steps if r["rank"] == 0), default=0)
+    measured = max(0, peak - report["baseline_bytes"]) if peak else 0
+    out = {k: v for k, v in report.items() if k != "description"}
+    out["measured_peak_bytes"] = measured
+    out["estimate_over_measured"] = round(report["estimated_peak_bytes"] / measured, 3) if measured else None
+    return out

@@ -11,10 +11,13 @@ import shutil
 import tempfile
 
 import ray.train
+import ray.train.torch
 import torch
 
-from .data.loader import ShardLoader, TokenBudget
+from .data.loader import DynamicBatches, ShardLoader
 from .data.sharding import TRAIN
+from .errors import RapidfireError
+from .memory import MemoryModel, free_memory_bytes, memory_in_use_bytes
 from .models import load_model, load_tokenizer
 from .stages.sft import build_sft_trainer
 from .telemetry.callback import RayRunCallback
@@ -29,12 +32,19 @@ def train_loop_per_worker(config: dict) -> None:
     torch.set_num_threads(cfg["scaling"]["cpus_per_worker"])
     torch.manual_seed(cfg["run"]["seed"])
 
+    device = ray.train.torch.get_device()
+    # Measured before the model exists: memory_aware batching budgets against it.
+    free_bytes = free_memory_bytes(device, ctx.get_local_world_size())
+    baseline_bytes = memory_in_use_bytes(device)
     tokenizer = load_tokenizer(cfg["model"]["name"])
     model = load_model(cfg["model"]["name"], dtype=torch.float32)
+    dynamic = _dynamic_batches(cfg, config["lengths"], model, world, free_bytes)
     loader = ShardLoader(ray.train.get_dataset_shard(TRAIN), num_rows=config["num_rows"], rank=rank,
                          world_size=world, batch_size=cfg["train"]["per_device_batch_size"],
                          pad_id=tokenizer.pad_token_id, prefetch_depth=cfg["data"]["prefetch_depth"],
-                         seed=cfg["run"]["seed"], budget=TokenBudget.from_config(cfg, config["lengths"]))
+                         seed=cfg["run"]["seed"], budget=dynamic)
+    if dynamic is not None and dynamic.memory is not None and rank == 0:
+        config["board"].put.remote("memory_model", _memory_report(dynamic, loader, baseline_bytes))
     timer = StepTimer()
     callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
                               every_steps=cfg["checkpoint"]["every_steps"])
@@ -55,6 +65,35 @@ def train_loop_per_worker(config: dict) -> None:
                 trainer.train(resume_from_checkpoint=ckpt_dir)
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def _dynamic_batches(cfg: dict, lengths, model, world: int, free_bytes: int) -> DynamicBatches | None:
+    """The run's dynamic batching; memory_aware plans with the smallest free memory of all ranks,
+    so every rank computes the same lockstep plan."""
+    strategy = cfg["data"]["dynamic_batch"]["strategy"]
+    memory = None
+    if strategy == "memory_aware":
+        memory = MemoryModel.for_model(model, world_size=world)
+        if world > 1:
+            least = torch.tensor([free_bytes], dtype=torch.int64)
+            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+            free_bytes = int(least.item())
+    try:
+        return DynamicBatches.from_config(cfg, lengths, memory, free_bytes)
+    except ValueError as e:
+        raise RapidfireError(f"data.dynamic_batch: {e}") from None
+
+
+def _memory_report(dynamic: DynamicBatches, loader: ShardLoader, baseline_bytes: int) -> dict:
+    """The memory model's numbers for this rank's most expensive planned batch; the driver puts
+    the memory actually used next to them."""
+    lengths = dynamic.lengths[loader.rank_rows]
+    rows, width = max(((len(b), int(lengths[b].max())) for b in loader.plan),
+                      key=lambda rw: dynamic.memory.batch_bytes(*rw))
+    return {"free_bytes": dynamic.free_bytes, "budget_bytes": dynamic.budget_bytes,
+            "static_bytes": dynamic.memory.static_bytes(), "largest_batch": {"rows": rows, "width": width},
+            "estimated_peak_bytes": dynamic.memory.peak_bytes(rows, width), "baseline_bytes": baseline_bytes,
+            "description": dynamic.description}
 
 
 def _batches_done_in_epoch(ckpt_dir: str, batches_per_epoch: int, grad_accum: int) -> int:

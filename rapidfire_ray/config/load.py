@@ -191,13 +191,21 @@ def validate(cfg: DictConfig) -> None:
                 raise RapidfireError(f"data.dynamic_batch.{key}: only used by a dynamic strategy (token_budget, "
                                      "memory_aware); remove it with strategy 'fixed' (the batch is "
                                      "train.per_device_batch_size rows)")
-    if db.strategy == "token_budget":
-        if db.min is not None:
-            raise RapidfireError("data.dynamic_batch.min: not used by token_budget (the budget sets the batch); "
-                                 "remove it, or cap rows with data.dynamic_batch.max")
-        if db.max_tokens is not None and db.max_tokens < cfg.data.max_length:
-            raise RapidfireError(f"data.dynamic_batch.max_tokens: {db.max_tokens} is smaller than one row of "
-                                 f"data.max_length {cfg.data.max_length} tokens; raise it to >= {cfg.data.max_length}")
+    if db.strategy == "token_budget" and db.min is not None:
+        raise RapidfireError("data.dynamic_batch.min: not used by token_budget (the budget sets the batch); "
+                             "remove it, or cap rows with data.dynamic_batch.max")
+    if db.strategy == "memory_aware" and db.max_tokens is not None:
+        raise RapidfireError("data.dynamic_batch.max_tokens: not used by memory_aware (free memory sets the "
+                             "batch); remove it, or use strategy token_budget")
+    if db.min is not None and db.max is not None and db.min > db.max:
+        raise RapidfireError(f"data.dynamic_batch.min: {db.min} is larger than data.dynamic_batch.max {db.max}; "
+                             "make min <= max")
+    if db.memory_threshold <= 0.0:
+        raise RapidfireError(f"data.dynamic_batch.memory_threshold: {db.memory_threshold} is out of range; "
+                             "allowed: above 0 and at most 1 (e.g. 0.8)")
+    if db.max_tokens is not None and db.max_tokens < cfg.data.max_length:
+        raise RapidfireError(f"data.dynamic_batch.max_tokens: {db.max_tokens} is smaller than one row of "
+                             f"data.max_length {cfg.data.max_length} tokens; raise it to >= {cfg.data.max_length}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", cfg.run.name):
         raise RapidfireError(f"run.name: {_show(cfg.run.name)} is invalid; allowed: letters, digits, '.', "
                              "'_', '-' (it names a folder), at most 100 characters")

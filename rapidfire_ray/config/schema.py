@@ -35,12 +35,15 @@ class ModelSection:
 @dataclass
 class DynamicBatchSection:
     strategy: str = opt("fixed", "how batches are cut: fixed rows, a token budget, or from free memory")
-    min: Optional[int] = opt(None, "smallest batch (rows) memory_aware may pick")
+    min: Optional[int] = opt(None, "memory_aware: smallest batch (rows) it may pick (null: 1; met where max >= 2 x min - 1)")
     max: Optional[int] = opt(None, "largest batch (rows) a dynamic strategy may pick (null: no cap)")
     max_tokens: Optional[int] = opt(None, "token_budget: padded tokens per batch per worker "
                                           "(null: per_device_batch_size x data.max_length)")
-    window: int = opt(1024, "token_budget: rows sorted by length together before cutting batches")
-    max_padding: float = opt(0.05, "token_budget: padding tokens a batch may hold, as a fraction of its tokens")
+    window: int = opt(1024, "dynamic strategies: rows sorted by length together before cutting batches")
+    max_padding: float = opt(0.05, "dynamic strategies: padding tokens a batch may hold, as a fraction of its "
+                                   "tokens")
+    memory_threshold: float = opt(0.8, "memory_aware: share of the worker's free memory (GPU; on CPU its memory "
+                                       "limit) the step may use, in (0, 1]")
 
 
 @dataclass
@@ -129,7 +132,7 @@ CHOICES = {
     "data.format": (("text", "prompt_completion", "messages", "oasst"), ()),
     "data.on_bad_row": (("skip", "fail"), ()),
     "data.overlong": (("truncate", "drop"), ()),
-    "data.dynamic_batch.strategy": (("fixed", "token_budget"), ("memory_aware",)),
+    "data.dynamic_batch.strategy": (("fixed", "token_budget", "memory_aware"), ()),
     "train.stage": (("sft",), ("reward", "rl", "pipeline")),
     "train.lr_scheduler": (("constant", "linear", "cosine"), ()),
     "optimizer.type": (("adamw",), ("rapidfire_adamw",)),
@@ -149,6 +152,7 @@ RANGES = {
     "data.dynamic_batch.max_tokens": (8, None),
     "data.dynamic_batch.window": (1, None),
     "data.dynamic_batch.max_padding": (0.0, 1.0),
+    "data.dynamic_batch.memory_threshold": (0.0, 1.0),  # 0 itself is refused in load.validate
     "train.epochs": (0.001, None),
     "train.per_device_batch_size": (1, None),
     "train.gradient_accumulation_steps": (1, None),
@@ -166,7 +170,6 @@ RANGES = {
 
 # Which later part of the project brings each planned feature (for the refusal message).
 PLANNED_IN = {
-    "data.dynamic_batch.strategy": "the data-layer release (memory-aware batching)",
     "train.stage": "the reward/RL stages release",
     "optimizer.type": "the compressed-communication release",
     "optimizer.params.compression.grad": "the compressed-communication release",

@@ -3,7 +3,7 @@
 `ShardLoader` is what our trainers return from `get_train_dataloader()`. It reads the worker's
 shard with Ray Data's background prefetching (`data.prefetch_depth` batches ahead), cuts it into
 batches (`fixed`: `per_device_batch_size` rows, reshuffled every epoch with a seeded buffer;
-`token_budget`: the plan of `batching.py`), keeps every rank at the same number of batches per
+`token_budget`, `memory_aware`: the plan of `batching.py`), keeps every rank at the same number of batches per
 epoch (so DDP ranks stay in lockstep while every row is used exactly once), can skip the
 batches already trained on when a run resumes, and measures how long the step waited for data.
 """
@@ -17,38 +17,82 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .batching import lockstep, token_budget_batches, window_of
+from ..memory.estimate import GIB, MemoryModel
+from .batching import RowsFit, cut_batches, lockstep, token_budget_rows, window_bounds, window_of
 from .sharding import shard_bounds
 
 SHUFFLE_BUFFER_ROWS = 1024
 
 
 @dataclass(frozen=True)
-class TokenBudget:
-    """What a rank needs to plan token-budget batches in lockstep with the others."""
+class DynamicBatches:
+    """What a rank needs to plan dynamic batches (`token_budget`, `memory_aware`) in lockstep
+    with the others: every row's length and the rule for how many rows a batch may hold."""
 
     lengths: np.ndarray  # token count of every training row, in dataset order (all ranks)
-    max_tokens: int  # padded tokens per batch (rows x longest row)
-    max_rows: int | None  # rows per batch at most (None: only the budget limits)
+    rows_fit: RowsFit  # padded width -> most rows per batch
     window: int  # rows sorted by length together
     max_padding: float = 1.0  # padding tokens per batch at most, as a fraction of its tokens
+    min_rows: int = 1  # batches are not cut below this many rows where the rows exist
+    description: str = ""
+    memory: MemoryModel | None = None  # memory_aware: the model the rows come from
+    free_bytes: int = 0  # memory_aware: free memory measured before the model was loaded
+    budget_bytes: int = 0  # memory_aware: free_bytes x threshold
 
     @classmethod
-    def from_config(cls, cfg, lengths) -> TokenBudget | None:
-        """The run's token-budget settings (None with fixed batches); `cfg` as DictConfig or dict."""
+    def token_budget(cls, cfg, lengths) -> DynamicBatches:
+        """`cfg` as DictConfig or dict."""
         db = cfg["data"]["dynamic_batch"]
-        if db["strategy"] != "token_budget":
-            return None
         max_tokens = db["max_tokens"] or cfg["train"]["per_device_batch_size"] * cfg["data"]["max_length"]
-        return cls(lengths=np.asarray(lengths), max_tokens=max_tokens, max_rows=db["max"], window=db["window"],
-                   max_padding=db["max_padding"])
+        return cls(lengths=np.asarray(lengths), rows_fit=token_budget_rows(max_tokens, db["max"]), window=db["window"],
+                   max_padding=db["max_padding"], description=f"{max_tokens} padded tokens per batch")
 
-    def plan(self, world_size: int) -> list[list[list[int]]]:
-        """Every rank's batches (local row indices), in lockstep. ValueError if impossible."""
-        plans = [token_budget_batches(self.lengths[s:e], self.max_tokens, self.max_rows, self.window,
-                                      self.max_padding)
-                 for s, e in shard_bounds(len(self.lengths), world_size)]
-        return lockstep(plans)
+    @classmethod
+    def memory_aware(cls, cfg, lengths, model: MemoryModel, free_bytes: int) -> DynamicBatches:
+        """Rows per batch = (free memory x threshold - the model's fixed state) / the memory of one
+        sample at the batch's padded width, clamped to [min, max]."""
+        db = cfg["data"]["dynamic_batch"]
+        lo, hi = db["min"] or 1, db["max"]
+        budget = int(free_bytes * db["memory_threshold"])
+        left = budget - model.static_bytes()
+        if left <= 0:
+            raise ValueError(f"the model's fixed state ({model.static_bytes() / GIB:.2f} GiB: weights, gradients, "
+                             f"optimizer) does not fit in {db['memory_threshold']} x {free_bytes / GIB:.2f} GiB free; "
+                             "raise data.dynamic_batch.memory_threshold, use more memory per worker or fewer "
+                             "workers per node")
+
+        def rows_fit(width: int) -> int:
+            rows = left // model.batch_bytes(1, width)
+            if rows < 1 and lo == 1:
+                raise ValueError(f"one row of {width} tokens needs {model.batch_bytes(1, width) / GIB:.2f} GiB, "
+                                 f"more than the {left / GIB:.2f} GiB left for activations; lower data.max_length or "
+                                 "raise data.dynamic_batch.memory_threshold")
+            rows = max(lo, rows)
+            return rows if hi is None else min(hi, rows)
+
+        return cls(lengths=np.asarray(lengths), rows_fit=rows_fit, window=db["window"], max_padding=db["max_padding"],
+                   min_rows=lo, memory=model, free_bytes=free_bytes, budget_bytes=budget, description=(f"{budget / GIB:.2f} GiB budget ({db['memory_threshold']} x "
+                                             f"{free_bytes / GIB:.2f} GiB free), fixed state "
+                                             f"{model.static_bytes() / GIB:.2f} GiB"))
+
+    @classmethod
+    def from_config(cls, cfg, lengths, model: MemoryModel | None = None, free_bytes: int | None = None):
+        """The run's dynamic batching (None with fixed batches)."""
+        strategy = cfg["data"]["dynamic_batch"]["strategy"]
+        if strategy == "token_budget":
+            return cls.token_budget(cfg, lengths)
+        if strategy == "memory_aware":
+            return cls.memory_aware(cfg, lengths, model, free_bytes)
+        return None
+
+    def plan(self, world_size: int, rank_rows: list[np.ndarray] | None = None) -> list[list[list[int]]]:
+        """Every rank's batches (indices into its shard), in lockstep. ValueError if impossible.
+        `rank_rows`: each rank's rows as global indices in shard order (default: contiguous shards)."""
+        if rank_rows is None:
+            rank_rows = [np.arange(s, e) for s, e in shard_bounds(len(self.lengths), world_size)]
+        plans = [cut_batches(self.lengths[rows], self.rows_fit, self.window, self.max_padding, self.min_rows)
+                 for rows in rank_rows]
+        return lockstep(plans, self.min_rows)
 
 
 def batches_per_epoch(num_rows: int, world_size: int, batch_size: int) -> int:
@@ -82,19 +126,22 @@ class ShardLoader:
 
     def __init__(self, shard, *, num_rows: int, rank: int, world_size: int, batch_size: int, pad_id: int,
                  prefetch_depth: int = 3, seed: int = 0, with_sources: bool = False,
-                 budget: TokenBudget | None = None):
+                 budget: DynamicBatches | None = None, rank_rows: list[np.ndarray] | None = None):
         if num_rows < world_size:
             raise ValueError(f"{num_rows} training rows cannot be shared by {world_size} workers")
         start, end = shard_bounds(num_rows, world_size)[rank]
         self.shard = shard
+        self.rank = rank
         self.shard_rows = end - start
         self.batch_size = batch_size
         self.budget = budget
         if budget is None:
             self.num_batches = batches_per_epoch(num_rows, world_size, batch_size)
         else:
-            self.plan = budget.plan(world_size)[rank]
+            self.plan = budget.plan(world_size, rank_rows)[rank]
             self.num_batches = len(self.plan)
+        # This rank's rows as global indices, in shard order.
+        self.rank_rows = rank_rows[rank] if rank_rows is not None else np.arange(start, end)
         self.pad_id = pad_id
         self.prefetch_depth = prefetch_depth
         self.seed = seed
@@ -146,16 +193,16 @@ class ShardLoader:
             yield chunk
 
     def _budget_batches(self) -> Iterator[list[dict[str, Any]]]:
-        """The planned token-budget batches, window by window, in a seeded per-epoch order
+        """The planned dynamic batches, window by window, in a seeded per-epoch order
         inside each window."""
-        window = self.budget.window
+        bounds = window_bounds(self.shard_rows, self.budget.window, self.budget.min_rows)
         rows = self._stored_rows()
         by_window: dict[int, list[list[int]]] = {}
         for batch in self.plan:
-            by_window.setdefault(window_of(batch, window), []).append(batch)
+            by_window.setdefault(window_of(batch, bounds), []).append(batch)
         for w in sorted(by_window):
-            base = w * window
-            buffer = [row for _, row in zip(range(min(window, self.shard_rows - base)), rows)]
+            base, end = bounds[w]
+            buffer = [row for _, row in zip(range(end - base), rows)]
             batches = by_window[w]
             for j in np.random.default_rng([self.seed, self.epoch, w]).permutation(len(batches)):
                 yield [buffer[i - base] for i in batches[j]]

@@ -89,7 +89,6 @@ def test_bad_values_name_key_value_and_allowed(override, expected):
     ("optimizer.type=rapidfire_adamw", "compressed-communication"),
     ("optimizer.params.compression.grad=1bit", "compressed-communication"),
     ("optimizer.params.compression.act=int8", "memory"),
-    ("data.dynamic_batch.strategy=memory_aware", "data-layer"),
     ("communication.mode=parameter_server", "parameter-server"),
     ("memory.optim_level=level3", "memory"),
 ])
@@ -104,9 +103,19 @@ def test_token_budget_rules():
     tb = "data.dynamic_batch.strategy=token_budget"
     assert "smaller than one row of data.max_length 512" in error_of(None, [tb, "data.dynamic_batch.max_tokens=100"])
     assert "data.dynamic_batch.min: not used by token_budget" in error_of(None, [tb, "data.dynamic_batch.min=2"])
-    msg = error_of(None, ["data.dynamic_batch.strategy=memory_aware", "data.dynamic_batch.min=8",
-                          "data.dynamic_batch.max=4"])
-    assert "is not available yet" in msg  # the strategy is refused first
+
+
+def test_memory_aware_rules():
+    ma = "data.dynamic_batch.strategy=memory_aware"
+    cfg = load_config(None, [ma, "data.dynamic_batch.min=2", "data.dynamic_batch.max=16"])
+    assert (cfg.data.dynamic_batch.min, cfg.data.dynamic_batch.max, cfg.data.dynamic_batch.memory_threshold) == (2, 16, 0.8)
+    assert ("data.dynamic_batch.min: 8 is larger than data.dynamic_batch.max 4; make min <= max"
+            in error_of(None, [ma, "data.dynamic_batch.min=8", "data.dynamic_batch.max=4"]))
+    for bad in ("0", "0.0", "1.5", "-0.2"):
+        assert "data.dynamic_batch.memory_threshold" in error_of(None, [ma, f"data.dynamic_batch.memory_threshold={bad}"])
+    assert load_config(None, [ma, "data.dynamic_batch.memory_threshold=1.0"]).data.dynamic_batch.memory_threshold == 1.0
+    assert "max_tokens: not used by memory_aware" in error_of(None, [ma, "data.dynamic_batch.max_tokens=4096"])
+    assert "only used by a dynamic strategy" in error_of(None, ["data.dynamic_batch.min=2"])
 
 
 def test_profile_errors(tmp_path):
