@@ -1,9 +1,22 @@
-"""What every stage's trainer shares: our dataloader seam and the step-phase timing."""
+"""What every stage's trainer shares: our dataloader seam, the step-phase timing, and the
+out-of-memory backoff (split the batch, retry, lower the budget)."""
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..data.backoff import BatchDoesNotFit, OOMBackoff, is_out_of_memory, split_batch
 from ..telemetry.timing import StepTimer, timed_allreduce_hook
+
+
+class _ForwardOutOfMemory(Exception):
+    """An out-of-memory error raised in the forward pass (nothing was accumulated or exchanged yet)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 class RayStageMixin:
@@ -12,6 +25,7 @@ class RayStageMixin:
 
     rf_loader = None
     rf_timer: StepTimer | None = None
+    rf_backoff: OOMBackoff | None = None
     _rf_hooked = False
 
     def get_train_dataloader(self):
@@ -21,15 +35,55 @@ class RayStageMixin:
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         with self.rf_timer.phase("forward"):
-            return super().compute_loss(model, inputs, *args, **kwargs)
+            try:
+                return super().compute_loss(model, inputs, *args, **kwargs)
+            except Exception as e:
+                if is_out_of_memory(e):
+                    raise _ForwardOutOfMemory(e) from e
+                raise
 
-    def training_step(self, model, inputs, *args, **kwargs):
+    def training_step(self, model, inputs, num_items_in_batch=None):
         if not self._rf_hooked and isinstance(model, DistributedDataParallel):
             model.register_comm_hook(self.rf_timer, timed_allreduce_hook)
             self._rf_hooked = True
+        if self.rf_backoff is None:
+            self.rf_backoff = OOMBackoff()
+        parts = self.rf_backoff.pieces_for(inputs)
+        return self._rf_pieces(model, split_batch(inputs, parts) if parts > 1 else [inputs], num_items_in_batch)
+
+    def _rf_pieces(self, model, pieces: list[dict], num_items_in_batch):
+        """Forward+backward on each piece, accumulating gradients; only the last piece lets DDP
+        exchange them (the others run under `no_sync`), so one batch is one exchange whatever
+        the number of pieces. With the loss normalised by the step's token count, the pieces'
+        losses and gradients add up to the whole batch's."""
+        total = None
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+            with sync:
+                loss = self._rf_piece(model, piece, num_items_in_batch)
+            total = loss if total is None else total + loss
+        return total
+
+    def _rf_piece(self, model, piece: dict, num_items_in_batch):
+        try:
+            return self._rf_timed_step(model, piece, num_items_in_batch)
+        except _ForwardOutOfMemory as oom:
+            rows, width = piece["input_ids"].shape
+            if rows == 1:
+                raise BatchDoesNotFit(
+                    f"out of memory on a single row of {width} tokens at step {self.state.global_step + 1} "
+                    f"({str(oom.error).splitlines()[0][:160]}); lower data.max_length, lower "
+                    "data.dynamic_batch.memory_threshold or give each worker more memory") from oom.error
+            self.rf_backoff.lower(piece, self.state.global_step + 1)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand cached blocks back before the smaller retry
+            return self._rf_pieces(model, split_batch(piece, 2), num_items_in_batch)
+
+    def _rf_timed_step(self, model, inputs, num_items_in_batch):
         forward_before = self.rf_timer.seconds("forward")
         with self.rf_timer.phase("backward"):
-            loss = super().training_step(model, inputs, *args, **kwargs)
+            loss = super().training_step(model, inputs, num_items_in_batch)
         # training_step = forward (timed in compute_loss) + backward; keep them apart.
         self.rf_timer.add("backward", forward_before - self.rf_timer.seconds("forward"))
         return loss
