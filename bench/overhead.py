@@ -43,7 +43,7 @@ def our_row_order(args) -> list[int]:
 
     from rapidfire_ray.config import load_config
     from rapidfire_ray.data.loader import ShardLoader
-    from rapidfire_ray.data.pipeline import build_sft_dataset
+    from rapidfire_ray.data.prepare import build_sft_dataset
     from rapidfire_ray.data.sharding import TRAIN, ExactSplitDataConfig
     from rapidfire_ray.launcher import connect
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import socket
 import time
@@ -16,13 +17,14 @@ import ray  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from .data.loader import DynamicBatches  # noqa: E402
-from .data.pipeline import build_sft_dataset, row_lengths  # noqa: E402
+from .data.prepare import build_sft_dataset, row_lengths  # noqa: E402
 from .data.sharding import TRAIN, ExactSplitDataConfig  # noqa: E402
 from .data.sources import list_data_files  # noqa: E402
 from .errors import RapidfireError, RunFailed  # noqa: E402
 from .models import load_tokenizer  # noqa: E402
 from .atomic import atomic_write_json, atomic_write_jsonl
 from .results import export_model, memory_check, summarise  # noqa: E402
+from .telemetry.callback import SHARD_PLAN_FILE  # noqa: E402
 from .telemetry.progress import ProgressBoard, ProgressPrinter  # noqa: E402
 
 WORKER_ENV = {
@@ -49,6 +51,17 @@ def _check_resume(run_dir: str, resume: bool) -> None:
     if resume and not has_checkpoint:
         raise RapidfireError(f"--resume: no checkpoint of run '{os.path.basename(run_dir)}' in {run_dir}; check "
                              "run.name and run.output_dir, or start without --resume")
+
+
+def saved_shard_plan(run_dir: str) -> dict | None:
+    """The shard plan saved with the newest checkpoint: a resumed run reads the same shards, so
+    the batches it skips are exactly the ones already trained on."""
+    for ckpt in sorted(glob.glob(os.path.join(run_dir, "checkpoint-*")), reverse=True):
+        path = os.path.join(ckpt, SHARD_PLAN_FILE)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+    return None
 
 
 def _probe(address: str) -> None:
@@ -151,7 +164,8 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker)}},
         ),
         datasets={TRAIN: ds},
-        dataset_config=ExactSplitDataConfig(),
+        dataset_config=ExactSplitDataConfig(shard_by_node=cfg.data.shard_by_node, board=board,
+                                            saved_plan=saved_shard_plan(run_dir) if resume else None),
     )
     say(f"training: stage {cfg.train.stage}, model {cfg.model.name}, {cfg.scaling.num_workers} worker(s)"
         + (", resuming from the latest checkpoint" if resume else ""))

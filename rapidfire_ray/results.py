@@ -12,7 +12,8 @@ from .atomic import publish_dir
 from .telemetry.timing import PHASES
 
 # Training-state files in a transformers checkpoint that are not part of the model.
-STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin")
+STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin",
+               "shard_plan.json")
 
 
 def export_model(checkpoint_dir: str, model_dir: str) -> str:

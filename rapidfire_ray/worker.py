@@ -15,7 +15,7 @@ import ray.train.torch
 import torch
 
 from .data.loader import DynamicBatches, ShardLoader
-from .data.sharding import TRAIN
+from .data.sharding import PLAN_KEY, TRAIN, ShardPlan
 from .errors import RapidfireError
 from .memory import MemoryModel, free_memory_bytes, memory_in_use_bytes
 from .models import load_model, load_tokenizer
@@ -39,15 +39,18 @@ def train_loop_per_worker(config: dict) -> None:
     tokenizer = load_tokenizer(cfg["model"]["name"])
     model = load_model(cfg["model"]["name"], dtype=torch.float32)
     dynamic = _dynamic_batches(cfg, config["lengths"], model, world, free_bytes)
-    loader = ShardLoader(ray.train.get_dataset_shard(TRAIN), num_rows=config["num_rows"], rank=rank,
+    # Rank 0's call makes the shards (ExactSplitDataConfig) and publishes their plan; the others wait.
+    shard = ray.train.get_dataset_shard(TRAIN)
+    plan = ShardPlan.from_json(ray.get(config["board"].get.remote(PLAN_KEY)))
+    loader = ShardLoader(shard, num_rows=config["num_rows"], rank=rank,
                          world_size=world, batch_size=cfg["train"]["per_device_batch_size"],
                          pad_id=tokenizer.pad_token_id, prefetch_depth=cfg["data"]["prefetch_depth"],
-                         seed=cfg["run"]["seed"], budget=dynamic)
+                         seed=cfg["run"]["seed"], budget=dynamic, rank_rows=[plan.rows(r) for r in range(world)])
     if dynamic is not None and dynamic.memory is not None and rank == 0:
         config["board"].put.remote("memory_model", _memory_report(dynamic, loader, baseline_bytes))
     timer = StepTimer()
     callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
-                              every_steps=cfg["checkpoint"]["every_steps"])
+                              every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json())
     # Each rank writes its checkpoint pieces to its own local folder; Ray Train merges and stores them.
     local_dir = tempfile.mkdtemp(prefix=f"rapidfire-{cfg['run']['name']}-rank{rank}-")
     trainer = build_sft_trainer(cfg, model, tokenizer, loader, config["sample_rows"], local_dir,

@@ -54,6 +54,8 @@ class DataSection:
     overlong: str = opt("truncate", "rows longer than max_length: truncate them, or drop them (counted)")
     on_bad_row: str = opt("skip", "skip: count and report bad rows; fail: stop at the first, naming it")
     prefetch_depth: int = opt(3, "batches prepared ahead of the step that needs them")
+    shard_by_node: bool = opt(True, "each worker reads rows from blocks on its own node where possible "
+                                    "(always every row once per epoch)")
     dynamic_batch: DynamicBatchSection = field(default_factory=DynamicBatchSection)
 
 

@@ -113,11 +113,12 @@ def collate(rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, torch.T
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        ids = torch.tensor(r["input_ids"], dtype=torch.long)  # a copy: Ray's arrays are read-only
         n = len(ids)
         input_ids[i, :n] = ids
         attention_mask[i, :n] = 1
-        labels[i, :n] = torch.where(torch.as_tensor(r["loss_mask"], dtype=torch.bool), ids, -100)
+        mask = r.get("loss_mask")
+        labels[i, :n] = ids if mask is None else torch.where(torch.tensor(mask, dtype=torch.bool), ids, -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
@@ -167,8 +168,10 @@ class ShardLoader:
         """The shard's rows in stored order, read with Ray Data's background prefetching."""
         for b in self.shard.iter_batches(batch_size=self.batch_size, batch_format="numpy",
                                          prefetch_batches=self.prefetch_depth, drop_last=False):
+            masks, sources = b.get("loss_mask"), b.get("source")  # optional for users' own datasets
             for i in range(len(b["input_ids"])):
-                yield {"input_ids": b["input_ids"][i], "loss_mask": b["loss_mask"][i], "source": b["source"][i]}
+                yield {"input_ids": b["input_ids"][i], "loss_mask": None if masks is None else masks[i],
+                       "source": None if sources is None else sources[i]}
 
     def _shuffled_rows(self) -> Iterator[dict[str, Any]]:
         """The shard's rows in a seeded per-epoch order: a shuffle buffer of SHUFFLE_BUFFER_ROWS

@@ -48,6 +48,8 @@ class MemoryModel:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, world_size: int = 1, checkpointed_layers: int = 0) -> MemoryModel:
+        while not hasattr(model, "config") and hasattr(model, "module"):  # DDP / FSDP wrappers
+            model = model.module
         c = model.config
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads

@@ -8,16 +8,20 @@ import time
 import ray.train
 from transformers import TrainerCallback
 
+from ..atomic import atomic_write_json
 from .timing import StepTimer, peak_memory_bytes
+
+SHARD_PLAN_FILE = "shard_plan.json"
 
 
 class RayRunCallback(TrainerCallback):
-    def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int):
+    def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int, shard_plan: dict | None = None):
         self.board = board
         self.timer = timer
         self.loader = loader
         self.rank = rank
         self.every_steps = every_steps
+        self.shard_plan = shard_plan  # saved with every checkpoint: a resume reads the same shards
         self._opt_start = None
         self._counts = (0, 0, 0)
         self._last_loss = None
@@ -68,6 +72,8 @@ class RayRunCallback(TrainerCallback):
         # Every rank reports its own checkpoint folder (rank 0: model, optimizer, state; others:
         # their RNG state); Ray Train merges them into one checkpoint on the run's storage.
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if self.rank == 0 and self.shard_plan is not None and os.path.isdir(path):
+            atomic_write_json(os.path.join(path, SHARD_PLAN_FILE), self.shard_plan)
         checkpoint = ray.train.Checkpoint.from_directory(path) if os.path.isdir(path) else None
         ray.train.report({"step": state.global_step, "loss": self._last_loss}, checkpoint=checkpoint,
                          checkpoint_dir_name=f"checkpoint-{state.global_step:08d}",

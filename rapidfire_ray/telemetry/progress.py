@@ -19,6 +19,7 @@ class ProgressBoard:
         self.steps: list[dict] = []
         self.logs: list[dict] = []
         self.plan = {"total_steps": None, "start_step": 0}
+        self.values: dict = {}
 
     def set_plan(self, total_steps: int, start_step: int) -> None:
         self.plan = {"total_steps": total_steps, "start_step": start_step}
@@ -34,6 +35,14 @@ class ProgressBoard:
 
     def line(self) -> str | None:
         return progress_line(self.snapshot())
+
+    def put(self, key: str, value) -> None:
+        """Publish a run fact (e.g. the data layer's "shard_plan") for the workers and the driver."""
+        self.values[key] = value
+
+    def get(self, key: str):
+        """A fact published with `put` (None if none was)."""
+        return self.values.get(key)
 
 
 def _fmt_duration(seconds: float) -> str:

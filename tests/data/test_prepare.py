@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rapidfire_ray.config import load_config
-from rapidfire_ray.data.pipeline import build_sft_dataset
+from rapidfire_ray.data.prepare import build_sft_dataset
 from rapidfire_ray.data.tokenize import SFTTokenizer
 from rapidfire_ray.errors import RapidfireError
 
