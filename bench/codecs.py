@@ -1,5 +1,6 @@
 """Gradient codec speed on CPU: encode+decode throughput in GB/s of float32 input, per codec,
-next to the cast torch's `fp16_compress_hook` does (`t.half().float()`), in one run.
+next to the cast torch's `fp16_compress_hook` does (`t.half().float()`) and the arithmetic of
+torch's `powerSGD_hook` (rank 1 and 4, with its error feedback), in one run.
 
 The input is the gradient set of smollm2-135m: its 272 tensors (embedding, 30 layers of
 attention, MLP and norms) at their real relative sizes, 538 MB in float32; `--size` scales every
@@ -83,6 +84,43 @@ def bench_codec(name: str, opts: dict, grads: dict[str, torch.Tensor], repeats: 
             "relative_error": (err2 / ref2) ** 0.5}
 
 
+def bench_powersgd(grads: dict[str, torch.Tensor], rank: int, repeats: int) -> dict:
+    """What torch's `powerSGD_hook` computes per gradient matrix, with its error feedback and warm-
+    started Q: M += error; P = M Q; orthogonalise P; Q = M^T P; approx = P Q^T; error = M - approx.
+    (The hook itself needs a live DDP bucket; this is its arithmetic, with torch's own
+    `_orthogonalize`, on the same gradients reshaped to near-square matrices.) Tensors under
+    `rank x (rows + cols)` elements go uncompressed, as the hook's `min_compression_rate` rule does."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+
+    mats, plain = {}, {}
+    for k, g in grads.items():
+        rows = max(1, int(g.numel() ** 0.5))
+        cols = -(-g.numel() // rows)
+        if (rows + cols) * rank >= g.numel():
+            plain[k] = g
+            continue
+        m = torch.zeros(rows * cols)
+        m[:g.numel()] = g
+        mats[k] = m.view(rows, cols)
+    gen = torch.Generator().manual_seed(0)
+    qs = {k: torch.randn(m.shape[1], rank, generator=gen) for k, m in mats.items()}
+    errors = {k: torch.zeros_like(m) for k, m in mats.items()}
+
+    def step():
+        for k, m in mats.items():
+            full = m + errors[k]
+            p = full @ qs[k]
+            _orthogonalize(p.unsqueeze(0))  # batched (1, rows, rank) view, in place
+            qs[k] = full.t() @ p
+            approx = p @ qs[k].t()
+            errors[k] = full - approx
+
+    seconds = best_time(step, repeats)
+    wire = sum((m.shape[0] + m.shape[1]) * rank * 4 for m in mats.values()) + sum(4 * g.numel() for g in plain.values())
+    return {"codec": f"powerSGD_hook rank {rank}", "options": {}, "wire_bytes": wire, "encode_s": None,
+            "decode_s": None, "encode_decode_s": None, "with_error_feedback_s": seconds, "relative_error": None}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=float, default=64.0, help="float32 MB of gradients (538 = the whole model)")
@@ -102,6 +140,9 @@ def main() -> None:
     rows = [{"codec": "fp16_compress_hook cast", "options": {}, "wire_bytes": fp32_bytes // 2, "encode_s": None,
              "decode_s": None, "encode_decode_s": cast_s, "with_error_feedback_s": None,
              "relative_error": None}]
+    for r in (1, 4):
+        print(f"[bench] powerSGD rank {r}", flush=True)
+        rows.append(bench_powersgd(grads, r, args.repeats))
     for name, opts in [("none", {}), ("fp16", {}), ("1bit", {}), ("1bit", {"scale": "rms"}), ("2bit", {})]:
         print(f"[bench] {name} {opts or ''}", flush=True)
         rows.append(bench_codec(name, opts, grads, args.repeats))
