@@ -59,6 +59,7 @@ def summarise(*, stage: str, snapshot: dict, num_workers: int, model_dir: str | 
         "loss_history": [{"step": s, "loss": round(v, 6)} for s, v in losses],
         "time_breakdown": breakdown,
         "peak_memory_bytes": max((r["peak_memory_bytes"] for r in steps), default=0),
+        "oom_splits": sum(r.get("oom_splits", 0) for r in steps),
         "num_workers": num_workers,
         "model_dir": model_dir,
         "data": data,

@@ -14,6 +14,7 @@ import ray.train
 import ray.train.torch
 import torch
 
+from .data.backoff import OOMBackoff
 from .data.loader import DynamicBatches, ShardLoader
 from .data.sharding import PLAN_KEY, TRAIN, ShardPlan
 from .errors import RapidfireError
@@ -49,13 +50,16 @@ def train_loop_per_worker(config: dict) -> None:
     if dynamic is not None and dynamic.memory is not None and rank == 0:
         config["board"].put.remote("memory_model", _memory_report(dynamic, loader, baseline_bytes))
     timer = StepTimer()
+    backoff = OOMBackoff()
     callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
-                              every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json())
+                              every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json(),
+                              backoff=backoff)
     # Each rank writes its checkpoint pieces to its own local folder; Ray Train merges and stores them.
     local_dir = tempfile.mkdtemp(prefix=f"rapidfire-{cfg['run']['name']}-rank{rank}-")
     trainer = build_sft_trainer(cfg, model, tokenizer, loader, config["sample_rows"], local_dir,
                                 use_cpu=not use_gpu, callbacks=[callback])
     trainer.rf_timer = timer
+    trainer.rf_backoff = backoff
 
     checkpoint = ray.train.get_checkpoint()
     try:

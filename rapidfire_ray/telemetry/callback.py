@@ -15,13 +15,16 @@ SHARD_PLAN_FILE = "shard_plan.json"
 
 
 class RayRunCallback(TrainerCallback):
-    def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int, shard_plan: dict | None = None):
+    def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int, shard_plan: dict | None = None,
+                 backoff=None):
         self.board = board
         self.timer = timer
         self.loader = loader
         self.rank = rank
         self.every_steps = every_steps
         self.shard_plan = shard_plan  # saved with every checkpoint: a resume reads the same shards
+        self.backoff = backoff  # the step's out-of-memory splits (data.backoff.OOMBackoff)
+        self._oom_seen = 0
         self._opt_start = None
         self._counts = (0, 0, 0)
         self._last_loss = None
@@ -55,11 +58,19 @@ class RayRunCallback(TrainerCallback):
         self.board.push_step.remote({
             "rank": self.rank, "step": state.global_step, "time": time.time(), "phases": phases,
             "samples": samples, "tokens": tokens, "padded_tokens": padded, "peak_memory_bytes": peak_memory_bytes(),
+            "oom_splits": self._new_oom_splits(),
         })
         # Save on schedule and always at the last step (transformers only saves on the schedule).
         if state.global_step >= state.max_steps or (self.every_steps and state.global_step % self.every_steps == 0):
             control.should_save = True
         return control
+
+    def _new_oom_splits(self) -> int:
+        if self.backoff is None:
+            return 0
+        new = len(self.backoff.events) - self._oom_seen
+        self._oom_seen = len(self.backoff.events)
+        return new
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.rank == 0 and logs and "loss" in logs:
