@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="Ray cluster to join (ip:port or auto; default: $RAY_ADDRESS, else an embedded local one)")
     t.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
     t.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    t.add_argument("--communication", default=None, metavar="MODE",
+                   help="gradient exchange: allreduce or allreduce_compressed (sets communication.mode)")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="override any config key, e.g. train.max_steps=10")
 
     c = sub.add_parser("config", help="print the resolved config as YAML")
@@ -47,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             print(REFERENCE_HEADER + reference_markdown(), end="")
             return 0
 
-        cfg = load_config(args.profile, args.overrides)
+        overrides = list(args.overrides)
+        if getattr(args, "communication", None):
+            overrides.append(f"communication.mode={args.communication}")
+        cfg = load_config(args.profile, overrides)
         if args.command == "config" or args.dry_run:
             print(to_yaml(cfg), end="")
             return 0

@@ -154,7 +154,8 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         train_loop_config={"cfg": plain, "num_rows": report.rows, "board": board, "sample_rows": sample_rows,
                            "lengths": lengths},
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+                                     placement_strategy=cfg.scaling.placement),
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=os.path.abspath(cfg.run.output_dir),

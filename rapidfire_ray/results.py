@@ -60,6 +60,7 @@ def summarise(*, stage: str, snapshot: dict, num_workers: int, model_dir: str | 
         "time_breakdown": breakdown,
         "peak_memory_bytes": max((r["peak_memory_bytes"] for r in steps), default=0),
         "oom_splits": sum(r.get("oom_splits", 0) for r in steps),
+        "communication": communication_summary(steps),
         "num_workers": num_workers,
         "model_dir": model_dir,
         "data": data,
@@ -76,3 +77,24 @@ def memory_check(report: dict, steps: list[dict]) -> dict:
     out["measured_peak_bytes"] = measured
     out["estimate_over_measured"] = round(report["estimated_peak_bytes"] / measured, 3) if measured else None
     return out
+
+
+def communication_summary(steps: list[dict]) -> dict | None:
+    """Bytes each worker sent and received per step (mean over steps and ranks, as counted by the
+    code that sends them), the compression ratio against a float32 allreduce of the same
+    gradients, communication-call latency percentiles (median of the per-step p50s, highest
+    per-step p99) and the steps skipped for non-finite gradients."""
+    counted = [r for r in steps if "bytes_sent" in r]
+    if not counted:
+        return None
+    sent = sum(r["bytes_sent"] for r in counted)
+    fp32 = sum(r["bytes_sent"] * r["compression_ratio"] for r in counted)
+    p50s = sorted(r["comm_latency_p50_s"] for r in counted if r["comm_calls"])
+    return {
+        "bytes_sent_per_step": round(sent / len(counted)),
+        "bytes_received_per_step": round(sum(r["bytes_received"] for r in counted) / len(counted)),
+        "compression_ratio": round(fp32 / sent, 3) if sent else None,
+        "comm_latency_p50_s": round(p50s[len(p50s) // 2], 6) if p50s else None,
+        "comm_latency_p99_s": round(max(r["comm_latency_p99_s"] for r in counted), 6) if p50s else None,
+        "skipped_steps": max(r["skipped_steps"] for r in counted),
+    }

@@ -6,6 +6,7 @@ count, progress board handle, a sample row for TRL's start-up checks).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -14,6 +15,7 @@ import ray.train
 import ray.train.torch
 import torch
 
+from .comm.training import TrainerComm
 from .data.backoff import OOMBackoff
 from .data.loader import DynamicBatches, ShardLoader
 from .data.sharding import PLAN_KEY, TRAIN, ShardPlan
@@ -51,15 +53,17 @@ def train_loop_per_worker(config: dict) -> None:
         config["board"].put.remote("memory_model", _memory_report(dynamic, loader, baseline_bytes))
     timer = StepTimer()
     backoff = OOMBackoff()
+    comm = TrainerComm(cfg, rank=rank, total_steps=_total_steps(cfg, len(loader)), timer=timer)
     callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
                               every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json(),
-                              backoff=backoff)
+                              backoff=backoff, comm=comm)
     # Each rank writes its checkpoint pieces to its own local folder; Ray Train merges and stores them.
     local_dir = tempfile.mkdtemp(prefix=f"rapidfire-{cfg['run']['name']}-rank{rank}-")
     trainer = build_sft_trainer(cfg, model, tokenizer, loader, config["sample_rows"], local_dir,
                                 use_cpu=not use_gpu, callbacks=[callback])
     trainer.rf_timer = timer
     trainer.rf_backoff = backoff
+    trainer.rf_comm = comm
 
     checkpoint = ray.train.get_checkpoint()
     try:
@@ -69,6 +73,7 @@ def train_loop_per_worker(config: dict) -> None:
             with checkpoint.as_directory() as ckpt_dir:
                 loader.skip_next(_batches_done_in_epoch(ckpt_dir, len(loader),
                                                         cfg["train"]["gradient_accumulation_steps"]))
+                comm.load(ckpt_dir)
                 trainer.train(resume_from_checkpoint=ckpt_dir)
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
@@ -101,6 +106,14 @@ def _memory_report(dynamic: DynamicBatches, loader: ShardLoader, baseline_bytes:
             "static_bytes": dynamic.memory.static_bytes(), "largest_batch": {"rows": rows, "width": width},
             "estimated_peak_bytes": dynamic.memory.peak_bytes(rows, width), "baseline_bytes": baseline_bytes,
             "description": dynamic.description}
+
+
+def _total_steps(cfg: dict, batches_per_epoch: int) -> int:
+    """Optimizer steps the run will take (what transformers computes from max_steps or epochs)."""
+    t = cfg["train"]
+    if t["max_steps"] > 0:
+        return t["max_steps"]
+    return max(1, int(math.ceil(t["epochs"] * max(1, batches_per_epoch // t["gradient_accumulation_steps"]))))
 
 
 def _batches_done_in_epoch(ckpt_dir: str, batches_per_epoch: int, grad_accum: int) -> int:

@@ -9,9 +9,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAMPLE = os.path.join(REPO, "jobs", "data", "sft_sample.jsonl")
-TINY_PROFILE = os.path.join(REPO, "jobs", "configs", "tiny.yaml")
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,9 @@ def test_cli_run_trains_checkpoints_and_summarises(tiny_run):
     assert fractions["forward"] > 0 and fractions["backward"] > 0 and fractions["optimizer"] > 0
     assert fractions["communication"] > 0  # two workers: gradients went through gloo all-reduce
     assert s["peak_memory_bytes"] > 50 * 2**20
+    comm = s["communication"]  # plain fp32 allreduce: bytes counted where they are sent, no compression
+    assert comm["compression_ratio"] == 1.0 and comm["bytes_sent_per_step"] > 4 * 90_000 * 0.9
+    assert comm["skipped_steps"] == 0 and s["oom_splits"] == 0
     assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-00000004", "checkpoint-00000008"]
     assert not list(run_dir.parent.glob("**/*.tmp-*"))
 

@@ -206,6 +206,7 @@ def validate(cfg: DictConfig) -> None:
     if db.max_tokens is not None and db.max_tokens < cfg.data.max_length:
         raise RapidfireError(f"data.dynamic_batch.max_tokens: {db.max_tokens} is smaller than one row of "
                              f"data.max_length {cfg.data.max_length} tokens; raise it to >= {cfg.data.max_length}")
+    _check_communication(cfg)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", cfg.run.name):
         raise RapidfireError(f"run.name: {_show(cfg.run.name)} is invalid; allowed: letters, digits, '.', "
                              "'_', '-' (it names a folder), at most 100 characters")
@@ -214,3 +215,24 @@ def validate(cfg: DictConfig) -> None:
                              "directory or a Hugging Face id")
     if not cfg.data.path.strip():
         raise RapidfireError("data.path: '' is empty; point it at a .jsonl/.parquet file or a folder")
+
+
+def _check_communication(cfg: DictConfig) -> None:
+    """Which optimizer, codec and communication mode go together."""
+    grad, mode, optimizer = cfg.optimizer.params.compression.grad, cfg.communication.mode, cfg.optimizer.type
+    if optimizer == "rapidfire_adamw":
+        if mode != "allreduce":
+            raise RapidfireError(f"communication.mode: {_show(mode)} cannot be combined with optimizer.type "
+                                 "rapidfire_adamw (it exchanges compressed momentum itself, after a full-precision "
+                                 "warm-up); use communication.mode allreduce")
+        if grad == "none":
+            raise RapidfireError("optimizer.params.compression.grad: 'none' leaves rapidfire_adamw nothing to "
+                                 "compress; set it to 1bit (the 1-bit Adam variant), 2bit or fp16, or use "
+                                 "optimizer.type adamw")
+        if grad == "auto":
+            raise RapidfireError("optimizer.params.compression.grad: 'auto' chooses per gradient tensor and is not "
+                                 "available for rapidfire_adamw's momentum; use 1bit, 2bit or fp16")
+    elif grad != "none" and mode == "allreduce":
+        raise RapidfireError(f"optimizer.params.compression.grad: {_show(grad)} needs communication.mode "
+                             "allreduce_compressed (plain allreduce sends fp32); set communication.mode="
+                             "allreduce_compressed, or optimizer.type=rapidfire_adamw to compress momentum")

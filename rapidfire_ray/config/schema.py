@@ -74,8 +74,15 @@ class TrainSection:
 
 @dataclass
 class CompressionSection:
-    grad: str = opt("none", "gradient codec on the wire")
+    grad: str = opt("none", "gradient codec on the wire (allreduce_compressed), or rapidfire_adamw's momentum "
+                            "codec; auto picks 1bit or 2bit per tensor from its gradient statistics")
     act: str = opt("none", "compression of activations saved for backward")
+    keep_fp16: List[str] = opt(["*o_proj*", "*out_proj*", "*c_proj*", "*norm*", "*ln_*", "*.bias"],
+                               "parameter-name patterns (fnmatch) whose gradients stay fp16: attention output "
+                               "projections, norms, biases; [] compresses everything")
+    min_numel: int = opt(4096, "tensors with fewer elements stay fp16 (0: no size rule)")
+    chunk_size: int = opt(2048, "elements per scale of the 1bit/2bit codecs")
+    auto_interval: int = opt(100, "auto: steps between re-evaluations of each tensor's codec")
 
 
 @dataclass
@@ -84,6 +91,8 @@ class OptimizerParams:
     weight_decay: float = opt(0.0, "decoupled (AdamW) weight decay")
     betas: List[float] = opt([0.9, 0.999], "Adam beta1, beta2")
     eps: float = opt(1.0e-8, "Adam epsilon")
+    freeze_step: Optional[int] = opt(None, "rapidfire_adamw: full-precision warm-up steps before the variance "
+                                           "freezes and momentum is exchanged compressed (null: 20% of the run)")
     compression: CompressionSection = field(default_factory=CompressionSection)
 
 
@@ -98,11 +107,15 @@ class ScalingSection:
     num_workers: int = opt(2, "Ray Train workers (one process each)")
     use_gpu: bool = opt(False, "one GPU per worker when true")
     cpus_per_worker: int = opt(1, "CPUs reserved per worker; also its torch thread count")
+    placement: str = opt("PACK", "where Ray puts the workers: PACK (fill a node first) or SPREAD (one per node "
+                                 "where possible)")
 
 
 @dataclass
 class CommunicationSection:
-    mode: str = opt("allreduce", "how gradients are exchanged between workers")
+    mode: str = opt("allreduce", "how gradients are exchanged between workers: plain DDP allreduce, or a DDP "
+                                 "hook exchanging optimizer.params.compression.grad bytes")
+    on_nonfinite: str = opt("skip", "a NaN/inf gradient: skip the step on every worker (counted, named), or fail")
 
 
 @dataclass
@@ -137,10 +150,12 @@ CHOICES = {
     "data.dynamic_batch.strategy": (("fixed", "token_budget", "memory_aware"), ()),
     "train.stage": (("sft",), ("reward", "rl", "pipeline")),
     "train.lr_scheduler": (("constant", "linear", "cosine"), ()),
-    "optimizer.type": (("adamw",), ("rapidfire_adamw",)),
-    "optimizer.params.compression.grad": (("none",), ("fp16", "1bit", "2bit", "auto")),
+    "optimizer.type": (("adamw", "rapidfire_adamw"), ()),
+    "optimizer.params.compression.grad": (("none", "fp16", "1bit", "2bit", "auto"), ()),
     "optimizer.params.compression.act": (("none",), ("int8",)),
-    "communication.mode": (("allreduce",), ("allreduce_compressed", "parameter_server")),
+    "communication.mode": (("allreduce", "allreduce_compressed"), ("parameter_server",)),
+    "communication.on_nonfinite": (("skip", "fail"), ()),
+    "scaling.placement": (("PACK", "SPREAD"), ()),
     "memory.optim_level": (("level0",), ("level1", "level2", "level3")),
 }
 
@@ -164,6 +179,10 @@ RANGES = {
     "optimizer.params.lr": (0.0, 1.0),
     "optimizer.params.weight_decay": (0.0, 1.0),
     "optimizer.params.eps": (0.0, 1.0),
+    "optimizer.params.freeze_step": (1, None),
+    "optimizer.params.compression.min_numel": (0, None),
+    "optimizer.params.compression.chunk_size": (8, None),
+    "optimizer.params.compression.auto_interval": (1, None),
     "scaling.num_workers": (1, None),
     "scaling.cpus_per_worker": (1, None),
     "checkpoint.every_steps": (0, None),
@@ -173,10 +192,8 @@ RANGES = {
 # Which later part of the project brings each planned feature (for the refusal message).
 PLANNED_IN = {
     "train.stage": "the reward/RL stages release",
-    "optimizer.type": "the compressed-communication release",
-    "optimizer.params.compression.grad": "the compressed-communication release",
     "optimizer.params.compression.act": "the memory release",
-    "communication.mode": "the compressed-communication / parameter-server releases",
+    "communication.mode": "the parameter-server release",
     "memory.optim_level": "the memory release",
 }
 

@@ -21,11 +21,12 @@ class _ForwardOutOfMemory(Exception):
 
 class RayStageMixin:
     """Mix into a TRL trainer class (before it in the bases). Set `rf_loader` and `rf_timer`
-    before `train()`."""
+    (and optionally `rf_backoff`, `rf_comm`) before `train()`."""
 
     rf_loader = None
     rf_timer: StepTimer | None = None
     rf_backoff: OOMBackoff | None = None
+    rf_comm = None  # comm.training.TrainerComm: gradient exchange, optimizer, accounting
     _rf_hooked = False
 
     def get_train_dataloader(self):
@@ -42,9 +43,26 @@ class RayStageMixin:
                     raise _ForwardOutOfMemory(e) from e
                 raise
 
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and self.rf_comm is not None:
+            opt_model = self.model if model is None else model
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if (n in decay) == with_decay],
+                       "param_names": [n for n, _ in named if (n in decay) == with_decay],
+                       "weight_decay": self.args.weight_decay if with_decay else 0.0} for with_decay in (True, False)]
+            self.optimizer = self.rf_comm.build_optimizer([g for g in groups if g["params"]], self.args)
+        optimizer = super().create_optimizer(model)
+        if self.rf_comm is not None:
+            self.rf_comm.guard(optimizer)
+        return optimizer
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self._rf_hooked and isinstance(model, DistributedDataParallel):
-            model.register_comm_hook(self.rf_timer, timed_allreduce_hook)
+            if self.rf_comm is not None:
+                self.rf_comm.register(model)
+            else:
+                model.register_comm_hook(self.rf_timer, timed_allreduce_hook)
             self._rf_hooked = True
         if self.rf_backoff is None:
             self.rf_backoff = OOMBackoff()

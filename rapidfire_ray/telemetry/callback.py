@@ -16,7 +16,7 @@ SHARD_PLAN_FILE = "shard_plan.json"
 
 class RayRunCallback(TrainerCallback):
     def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int, shard_plan: dict | None = None,
-                 backoff=None):
+                 backoff=None, comm=None):
         self.board = board
         self.timer = timer
         self.loader = loader
@@ -25,6 +25,7 @@ class RayRunCallback(TrainerCallback):
         self.shard_plan = shard_plan  # saved with every checkpoint: a resume reads the same shards
         self.backoff = backoff  # the step's out-of-memory splits (data.backoff.OOMBackoff)
         self._oom_seen = 0
+        self.comm = comm  # comm.training.TrainerComm: bytes, latency, compression, skipped steps
         self._opt_start = None
         self._counts = (0, 0, 0)
         self._last_loss = None
@@ -47,18 +48,26 @@ class RayRunCallback(TrainerCallback):
         if self._opt_start is not None:
             self.timer.add("optimizer", time.perf_counter() - self._opt_start)
             self._opt_start = None
+        if self.comm is not None:
+            self.comm.after_optimizer_step()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.timer.add("data_wait", self.loader.wait_s)
         self.loader.wait_s = 0.0
         phases = self.timer.take()
+        comm = self.comm.take() if self.comm is not None else {}
+        where = comm.pop("untimed_comm_phase", None)
+        if where is not None:  # exchange time the step timer could not see: move it to communication
+            moved = min(comm["comm_seconds"], phases[where])
+            phases[where] -= moved
+            phases["communication"] += moved
         counts = self._loader_counts()
         samples, tokens, padded = (now - before for now, before in zip(counts, self._counts))
         self._counts = counts
         self.board.push_step.remote({
             "rank": self.rank, "step": state.global_step, "time": time.time(), "phases": phases,
             "samples": samples, "tokens": tokens, "padded_tokens": padded, "peak_memory_bytes": peak_memory_bytes(),
-            "oom_splits": self._new_oom_splits(),
+            "oom_splits": self._new_oom_splits(), **comm,
         })
         # Save on schedule and always at the last step (transformers only saves on the schedule).
         if state.global_step >= state.max_steps or (self.every_steps and state.global_step % self.every_steps == 0):
@@ -85,6 +94,8 @@ class RayRunCallback(TrainerCallback):
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if self.rank == 0 and self.shard_plan is not None and os.path.isdir(path):
             atomic_write_json(os.path.join(path, SHARD_PLAN_FILE), self.shard_plan)
+        if self.comm is not None and os.path.isdir(path):
+            self.comm.save(path)  # this rank's error-feedback state
         checkpoint = ray.train.Checkpoint.from_directory(path) if os.path.isdir(path) else None
         ray.train.report({"step": state.global_step, "loss": self._last_loss}, checkpoint=checkpoint,
                          checkpoint_dir_name=f"checkpoint-{state.global_step:08d}",

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from rapidfire_ray.config import load_config, to_yaml
 from rapidfire_ray.errors import RapidfireError
+from paths import TINY_PROFILE as TINY
 
 ARTICLE_YAML = """
 optimizer:
@@ -86,8 +87,6 @@ def test_bad_values_name_key_value_and_allowed(override, expected):
 @pytest.mark.parametrize("override, later", [
     ("train.stage=reward", "reward/RL"),
     ("train.stage=pipeline", "reward/RL"),
-    ("optimizer.type=rapidfire_adamw", "compressed-communication"),
-    ("optimizer.params.compression.grad=1bit", "compressed-communication"),
     ("optimizer.params.compression.act=int8", "memory"),
     ("communication.mode=parameter_server", "parameter-server"),
     ("memory.optim_level=level3", "memory"),
@@ -160,3 +159,26 @@ def test_docs_config_reference_is_current():
                         "config.md")
     with open(docs, encoding="utf-8") as f:
         assert f.read() == REFERENCE_HEADER + reference_markdown(), "run: rapidfire config --reference > docs/config.md"
+
+
+def test_communication_combinations():
+    ok = load_config(None, ["communication.mode=allreduce_compressed", "optimizer.params.compression.grad=1bit"])
+    assert ok.communication.mode == "allreduce_compressed"
+    assert load_config(None, ["optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit",
+                              "optimizer.params.freeze_step=5"]).optimizer.params.freeze_step == 5
+    assert "needs communication.mode allreduce_compressed" in error_of(None, ["optimizer.params.compression.grad=2bit"])
+    assert "cannot be combined with optimizer.type rapidfire_adamw" in error_of(
+        None, ["optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit",
+               "communication.mode=allreduce_compressed"])
+    assert "leaves rapidfire_adamw nothing to compress" in error_of(None, ["optimizer.type=rapidfire_adamw"])
+    assert "is not available yet" in error_of(None, ["communication.mode=parameter_server"])
+    assert "communication.on_nonfinite: 'warn' is not one of: skip, fail" in error_of(
+        None, ["communication.on_nonfinite=warn"])
+
+
+def test_cli_communication_flag_sets_the_mode(capsys):
+    from rapidfire_ray.cli import main
+
+    assert main(["train", "--profile", TINY, "--communication", "allreduce_compressed", "--dry-run",
+                 "optimizer.params.compression.grad=1bit"]) == 0
+    assert "mode: allreduce_compressed" in capsys.readouterr().out

@@ -14,7 +14,7 @@ from rapidfire_ray.data.loader import collate
 from rapidfire_ray.models import load_model, load_tokenizer
 from rapidfire_ray.stages.sft import build_sft_trainer
 from rapidfire_ray.telemetry.timing import StepTimer
-from conftest import TINY_PROFILE
+from paths import TINY_PROFILE
 
 
 class GradCapture(TrainerCallback):

@@ -1,0 +1,147 @@
+"""A scaling model of one data-parallel training step: compute time plus gradient exchange, per
+communication mode, from measured or assumed inputs.
+
+    step = compute + exchange                      (no overlap: the Amdahl view; --overlap uses max)
+    allreduce             exchange = 2 (n-1)/n * S / B + 2 (n-1) * latency,  S = 4 P bytes (fp32)
+    allreduce_compressed  exchange = 2 (n-1)/n * C / B + 3 (n-1) * latency + codec,  C = wire bytes
+                          (phase 1 sends n-1 chunks, phase 2 all-gathers the server chunks, plus one
+                          flag per bucket); codec = 4 P bytes / codec throughput (encode + decode)
+    rapidfire_adamw       warm-up share w at fp32 allreduce, the rest like allreduce_compressed:
+                          w * allreduce + (1 - w) * compressed
+
+`n` is the number of nodes (inside a node, NVLink/shared memory is taken as free next to the
+network), `B` the per-node link bandwidth in bytes/s. Wire bytes per codec come from the
+codecs' formulas (`rapidfire_ray.compression`), so the model and the code agree by construction.
+
+    python bench/scaling_model.py project              # the README table: 7B / 70B on 8xA100 nodes
+    python bench/scaling_model.py check RESULTS.json   # predicted vs measured (bench/comm_bound.py)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+MODES = ("allreduce", "allreduce_compressed", "rapidfire_adamw")
+
+
+def wire_bytes(codec: str, numel: int, chunk_size: int = 2048) -> int:
+    """Bytes one rank hands to the network for `numel` gradient elements with `codec`."""
+    from rapidfire_ray.compression import get_codec
+
+    opts = {"chunk_size": chunk_size} if codec in ("1bit", "2bit") else {}
+    return get_codec(codec, **opts).wire_bytes(numel)
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth_bytes_s: float  # per node, one direction
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    params: int  # gradient elements exchanged per step
+    compute_s: float  # forward + backward + optimizer, no communication
+    nodes: int
+    codec: str = "1bit"
+    codec_gbps: float = 0.25  # encode+decode throughput in GB/s of fp32 input (bench/codecs.py)
+    warmup_share: float = 0.2  # rapidfire_adamw: share of steps in full-precision warm-up
+
+
+def exchange_s(mode: str, x: StepInputs, link: Link) -> float:
+    n = x.nodes
+    if n <= 1:
+        return 0.0
+    ring = 2 * (n - 1) / n
+    fp32 = ring * 4 * x.params / link.bandwidth_bytes_s + 2 * (n - 1) * link.latency_s
+    compressed = (ring * wire_bytes(x.codec, x.params) / link.bandwidth_bytes_s + 3 * (n - 1) * link.latency_s
+                  + 4 * x.params / (x.codec_gbps * 1e9))
+    if mode == "allreduce":
+        return fp32
+    if mode == "allreduce_compressed":
+        return compressed
+    if mode == "rapidfire_adamw":
+        return x.warmup_share * fp32 + (1 - x.warmup_share) * compressed
+    raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
+
+
+def step_s(mode: str, x: StepInputs, link: Link, overlap: bool = False) -> float:
+    comm = exchange_s(mode, x, link)
+    return max(x.compute_s, comm) if overlap else x.compute_s + comm
+
+
+def amdahl_limit(compute_s: float, comm_s: float, ratio: float) -> float:
+    """Best speed-up from shrinking communication `ratio` times: 1 / (compute + comm / ratio)."""
+    total = compute_s + comm_s
+    return total / (compute_s + comm_s / ratio)
+
+
+LINKS = (Link("100GbE", 100e9 / 8, 10e-6), Link("400Gb/s EFA", 400e9 / 8, 15e-6))
+
+
+def a100_compute_s(params: int, tokens_per_gpu: int, mfu: float = 0.4, flops: float = 312e12) -> float:
+    """6 P tokens / (A100 bf16 peak x MFU): forward + backward of a dense transformer."""
+    return 6 * params * tokens_per_gpu / (flops * mfu)
+
+
+def project(args) -> list[dict]:
+    rows = []
+    for label, params in (("7B", 7_000_000_000), ("70B", 70_000_000_000)):
+        compute = a100_compute_s(params, args.tokens_per_gpu, args.mfu)
+        for link in LINKS:
+            x = StepInputs(params=params, compute_s=compute, nodes=args.nodes, codec=args.codec,
+                           codec_gbps=args.codec_gbps, warmup_share=args.warmup_share)
+            row = {"model": label, "link": link.name, "nodes": args.nodes, "compute_s": round(compute, 3)}
+            for mode in MODES:
+                row[f"{mode}_step_s"] = round(step_s(mode, x, link), 3)
+            row["speedup_compressed"] = round(row["allreduce_step_s"] / row["allreduce_compressed_step_s"], 2)
+            row["speedup_rapidfire_adamw"] = round(row["allreduce_step_s"] / row["rapidfire_adamw_step_s"], 2)
+            rows.append(row)
+    return rows
+
+
+def check(path: str) -> list[dict]:
+    """Predicted vs measured step time for runs recorded by bench/comm_bound.py: each run gives
+    nodes, params, the measured compute time (1-node step), the link, and the measured step."""
+    with open(path, encoding="utf-8") as f:
+        runs = json.load(f)["runs"]
+    out = []
+    for r in runs:
+        link = Link("measured", r["bandwidth_bytes_s"], r.get("latency_s", 0.0))
+        x = StepInputs(params=r["params"], compute_s=r["compute_s"], nodes=r["nodes"], codec=r.get("codec", "1bit"),
+                       codec_gbps=r.get("codec_gbps", 0.25), warmup_share=r.get("warmup_share", 0.0))
+        predicted = step_s(r["mode"], x, link)
+        out.append({"mode": r["mode"], "nodes": r["nodes"], "measured_s": r["step_s"], "predicted_s": round(predicted, 4),
+                    "error": round(predicted / r["step_s"] - 1, 3)})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pr = sub.add_parser("project")
+    pr.add_argument("--nodes", type=int, default=4, help="8xA100 nodes")
+    pr.add_argument("--tokens-per-gpu", type=int, default=16384, help="tokens per GPU per step")
+    pr.add_argument("--mfu", type=float, default=0.4)
+    pr.add_argument("--codec", default="1bit")
+    pr.add_argument("--codec-gbps", type=float, default=200.0,
+                    help="encode+decode GB/s per node on its accelerators: an assumption, not measured here "
+                         "(no GPU); the CPU codecs measure ~0.25 GB/s per core (bench/codecs.py)")
+    pr.add_argument("--warmup-share", type=float, default=0.2)
+    ch = sub.add_parser("check")
+    ch.add_argument("results")
+    args = p.parse_args()
+    rows = project(args) if args.cmd == "project" else check(args.results)
+    if not rows:
+        sys.exit("no rows")
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r[k]) for k in keys))
+
+
+if __name__ == "__main__":
+    main()

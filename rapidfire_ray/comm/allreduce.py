@@ -1,0 +1,256 @@
+"""The two-phase compressed allreduce of 1-bit Adam (arXiv 2102.02888), for any codec.
+
+Every rank holds a tensor x_r of the same size; all ranks get back the same approximation of
+mean_r(x_r). Layout: the flat tensor is padded with zeros to `padded = world_size * m` elements,
+m a multiple of `ALIGN` (8: each rank's chunk then starts on a whole byte of packed bit codes),
+and cut into world_size chunks of m elements; rank j is the "server" of chunk j.
+
+Phase 1 (workers). c_r = x_r + worker_error_r; each chunk c_r[j] is encoded on its own
+(`codec.encode`, so each chunk has its own scales and, for 2bit, its own top-k);
+worker_error_r = c_r - decode(all chunks). Chunk j goes to rank j by point-to-point sends
+(`batch_isend_irecv`; gloo has no all_to_all), so rank j receives only its own chunk from each
+peer: (n-1) payloads of `codec.wire_bytes(m)` bytes sent and received per rank.
+
+Phase 2 (servers). Rank j decodes the n copies of chunk j (its own from its local decode),
+averages them (sum in rank order, then / n), adds server_error_j, encodes,
+server_error_j = that - decode; the encoded server chunks (all `wire_bytes(m)` bytes) are
+all-gathered, and every rank decodes and concatenates them and drops the padding. Every rank
+decodes the same bytes with the same code, so the result is identical on every rank.
+
+Bytes per rank and call: 2 * (n-1) * codec.wire_bytes(m) sent, the same received.
+
+Padding: padded positions are kept exactly zero at both phases (their errors are zeroed, and
+the server average is zeroed there before encoding), so they never feed back; they still count
+as elements in the codecs' per-chunk scales (a short, zero tail in the last chunk). Exact zeros
+are encoded as +scale by 1bit and +A*scale by 2bit (the 1-bit Adam convention); error feedback
+carries the difference to the next call.
+
+Error feedback telescopes: summed over calls, the outputs equal the sum of the true averages
+minus (mean over ranks of the final worker errors + the final server errors, concatenated),
+element by element.
+
+Non-finite input raises NonFiniteGradient before any communication and without touching the
+state. Callers on several ranks must agree on finiteness first (the DDP hook does), or the
+other ranks wait in the exchange. Finite values whose sum with the error would overflow float32
+are clamped to +-float32 max rather than becoming inf.
+
+World size 1 (or torch.distributed not initialised): phase 1 alone, with the worker error
+(compress + decompress with error feedback), no collective.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..compression import Codec, Encoded, NonFiniteGradient
+from .stats import CommStats, fp32_allreduce_bytes
+
+#: Each rank's chunk is a multiple of this many elements.
+ALIGN = 8
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass
+class AllreduceState:
+    """Error feedback of one compressed allreduce "slot" (a tensor of fixed numel, one codec,
+    one group). `worker_error`: float32, the padded flat size, on the tensor's device.
+    `server_error`: float32, this rank's server chunk (m elements). None until first used, and
+    None for a lossless codec."""
+
+    worker_error: torch.Tensor | None = None
+    server_error: torch.Tensor | None = None
+
+    def state_dict(self) -> dict:
+        """CPU copies of the error buffers (None where there is none)."""
+        return {"worker_error": _cpu_copy(self.worker_error), "server_error": _cpu_copy(self.server_error)}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Replace both buffers with copies of those in `d` (kept on their device, CPU from a
+        checkpoint; moved to the tensor's device on first use)."""
+        for key in ("worker_error", "server_error"):
+            value = d.get(key)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise ValueError(f"AllreduceState: {key} must be a tensor or None, got {type(value).__name__}")
+            setattr(self, key, None if value is None else value.detach().to(torch.float32, copy=True).reshape(-1))
+
+    def reset(self) -> None:
+        self.worker_error = None
+        self.server_error = None
+
+
+def _cpu_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().to("cpu", copy=True)
+
+
+def layout(numel: int, world_size: int) -> tuple[int, int]:
+    """(m, padded): elements per rank chunk and the padded flat size for `numel` elements."""
+    step = world_size * ALIGN
+    padded = -(-numel // step) * step
+    return padded // world_size, padded
+
+
+def _world(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    ws = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("compressed_allreduce: this process is not a member of `group`")
+    return ws, rank
+
+
+def _buffer(t: torch.Tensor | None, size: int, device: torch.device, what: str) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if t.numel() != size:
+        raise ValueError(f"compressed_allreduce: state.{what} has {t.numel()} elements, this call needs {size} "
+                         f"(a different tensor size, codec or world size uses this state; reset it)")
+    return t.to(device=device, dtype=torch.float32).reshape(-1)
+
+
+def _finite_(t: torch.Tensor) -> torch.Tensor:
+    # Finite inputs can only leave the float32 range by overflow; clamp instead of producing inf.
+    return t.clamp_(-_F32_MAX, _F32_MAX)
+
+
+def _check_finite(flat: torch.Tensor, codec: Codec) -> None:
+    if not bool(torch.isfinite(flat).all()):
+        raise NonFiniteGradient(None, codec.name)
+
+
+def _worker_phase(flat: torch.Tensor, codec: Codec, state: AllreduceState, ws: int, m: int, padded: int):
+    """Phase 1 on one rank: (encoded chunks, decoded padded tensor, new worker error)."""
+    n = flat.numel()
+    corrected = torch.zeros(padded, dtype=torch.float32, device=flat.device)
+    corrected[:n] = flat
+    err = _buffer(state.worker_error, padded, flat.device, "worker_error")
+    if err is not None:
+        corrected += err
+    _finite_(corrected)
+    encoded = [codec.encode(corrected[j * m:(j + 1) * m]) for j in range(ws)]
+    if codec.lossless:
+        return encoded, corrected, None
+    decoded = torch.cat([codec.decode(e) for e in encoded])
+    new_err = corrected.sub_(decoded)
+    new_err[n:] = 0
+    return encoded, decoded, _finite_(new_err)
+
+
+def _server_phase(chunks: list[torch.Tensor], codec: Codec, server_error: torch.Tensor | None, valid: int):
+    """Phase 2 on the server of one chunk: (encoded, decoded, new server error). `chunks`: the
+    decoded copies from every rank, in rank order; `valid`: real (not padding) elements."""
+    m = chunks[0].numel()
+    avg = chunks[0].clone()
+    for c in chunks[1:]:
+        avg += c
+    avg /= len(chunks)
+    if valid < m:
+        avg[valid:] = 0
+    err = _buffer(server_error, m, avg.device, "server_error")
+    if err is not None:
+        avg += err
+    _finite_(avg)
+    encoded = codec.encode(avg)
+    if codec.lossless:
+        return encoded, avg, None
+    decoded = codec.decode(encoded)
+    new_err = avg.sub_(decoded)
+    new_err[valid:] = 0
+    return encoded, decoded, _finite_(new_err)
+
+
+def _as_encoded(codec: Codec, payload: torch.Tensor, m: int) -> Encoded:
+    return Encoded(codec.name, payload, m, (m,), torch.float32)
+
+
+def compressed_allreduce(tensor: torch.Tensor, codec: Codec, state: AllreduceState, group=None,
+                         stats: CommStats | None = None) -> torch.Tensor:
+    """Average of `tensor` over the ranks of `group`, through the two-phase compressed allreduce of
+    1-bit Adam with worker and server error feedback. Returns a new float32 tensor of tensor's shape
+    (identical on every rank). World size 1: compress + decompress with error feedback, no collective.
+
+    Every rank must call it with the same numel, codec and group, in the same order. `state`
+    holds this slot's error feedback and is updated only when the call succeeds. NaN/inf in
+    `tensor` raise NonFiniteGradient before any communication (see the module docstring)."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        raise TypeError(f"compressed_allreduce: expected a floating-point tensor, got "
+                        f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
+    ws, rank = _world(group)
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device)
+    _check_finite(flat, codec)
+    m, padded = layout(n, ws)
+    with (stats.timed(tensor.device) if stats is not None else nullcontext()):
+        encoded, decoded, worker_error = _worker_phase(flat, codec, state, ws, m, padded)
+        if ws == 1:
+            state.worker_error = worker_error
+            return decoded[:n].reshape(tensor.shape).clone()
+
+        # Phase 1: chunk j to rank j, point to point.
+        nbytes = codec.wire_bytes(m)
+        received = {i: torch.empty(nbytes, dtype=torch.uint8, device=tensor.device) for i in range(ws) if i != rank}
+        ops = [dist.P2POp(dist.isend, encoded[j].payload, group=group, group_peer=j) for j in range(ws) if j != rank]
+        ops += [dist.P2POp(dist.irecv, buf, group=group, group_peer=i) for i, buf in received.items()]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        sent = sum(encoded[j].payload.numel() for j in range(ws) if j != rank)
+        got = sum(buf.numel() for buf in received.values())
+
+        # Phase 2: this rank serves chunk `rank`.
+        chunks = [decoded[rank * m:(rank + 1) * m] if i == rank else codec.decode(_as_encoded(codec, received[i], m))
+                  for i in range(ws)]
+        valid = min(max(n - rank * m, 0), m)
+        server_encoded, server_decoded, server_error = _server_phase(chunks, codec, state.server_error, valid)
+        payload = server_encoded.payload
+        gathered = [torch.empty_like(payload) for _ in range(ws)]
+        dist.all_gather(gathered, payload, group=group)
+        sent += (ws - 1) * payload.numel()
+        got += sum(gathered[j].numel() for j in range(ws) if j != rank)
+
+        out = torch.cat([server_decoded if j == rank else codec.decode(_as_encoded(codec, gathered[j], m))
+                         for j in range(ws)])[:n]
+        state.worker_error = worker_error
+        state.server_error = server_error
+        if stats is not None:
+            stats.add_bytes(sent, got, fp32_allreduce_bytes(n, ws))
+        return out.reshape(tensor.shape)
+
+
+def simulate_compressed_allreduce(tensors: list[torch.Tensor], codec: Codec,
+                                  states: list[AllreduceState]) -> list[torch.Tensor]:
+    """The same algorithm in one process on a list of per-rank tensors (the reference the tests compare to).
+
+    `tensors[r]` and `states[r]` play rank r; returns one output per rank (equal tensors)."""
+    ws = len(tensors)
+    if ws == 0 or len(states) != ws:
+        raise ValueError(f"simulate_compressed_allreduce: {ws} tensors and {len(states)} states")
+    shape = tuple(tensors[0].shape)
+    if any(tuple(t.shape) != shape for t in tensors):
+        raise ValueError("simulate_compressed_allreduce: all ranks' tensors must have one shape")
+    flats = [t.detach().reshape(-1) for t in tensors]
+    n = flats[0].numel()
+    if n == 0:
+        return [torch.zeros(shape, dtype=torch.float32, device=t.device) for t in tensors]
+    for flat in flats:
+        _check_finite(flat, codec)
+    m, padded = layout(n, ws)
+    phases = [_worker_phase(flat, codec, state, ws, m, padded) for flat, state in zip(flats, states)]
+    if ws == 1:
+        out = phases[0][1][:n]
+        states[0].worker_error = phases[0][2]
+        return [out.reshape(shape).clone()]
+    servers = []
+    for j in range(ws):
+        chunks = [decoded[j * m:(j + 1) * m] for _, decoded, _ in phases]
+        servers.append(_server_phase(chunks, codec, states[j].server_error, min(max(n - j * m, 0), m)))
+    out = torch.cat([decoded for _, decoded, _ in servers])[:n].reshape(shape)
+    for r in range(ws):
+        states[r].worker_error = phases[r][2]
+        states[r].server_error = servers[r][2]
+    return [out.clone() for _ in range(ws)]

@@ -1,0 +1,301 @@
+"""DDP communication hook for `communication.mode: allreduce_compressed`.
+
+    state = HookState(ddp_model.module.named_parameters(), CompressionPolicy("1bit"), timer=step_timer)
+    ddp_model.register_comm_hook(state, compressed_allreduce_hook)
+    ...each optimizer step, after backward:
+    if state.nonfinite:  # parameter names whose gradient was NaN/inf on some rank
+        ...skip the step (the bucket gradients are already zero on every rank); state.nonfinite.clear()
+    metrics.update(state.stats.take())
+
+Per bucket:
+1. The bucket's parameters are named (by identity with `named_parameters`) and located in the
+   bucket buffer (each gradient from `bucket.gradients()` is a view into `bucket.buffer()`;
+   its offset is taken from the view).
+2. One small allreduce (SUM, float32) agrees across ranks on (a) whether any rank's bucket
+   holds NaN/inf and (b), on the steps where a `grad: auto` decision is due, the concentration
+   statistic of each such tensor (summed, then averaged), so every rank makes the same choice.
+3. Non-finite on any rank: a second small allreduce of per-parameter flags names the offending
+   parameters (from every rank); every rank zeroes the whole bucket, appends the names to
+   `state.nonfinite` and changes no error-feedback or auto-policy state. Nothing is encoded,
+   so nothing can raise on one rank only and leave the others waiting.
+4. Otherwise the parameters are grouped by codec (`policy`), in a fixed order:
+   `none`: plain averaging allreduce (divide, then sum, as torch's allreduce_hook);
+   `fp16`: divide, clamp to +-0.99*65504/world_size (so the fp16 sum cannot overflow to inf),
+   cast, allreduce in fp16, cast back (as torch's fp16_compress_hook, without error feedback);
+   `1bit`/`2bit`: the group's gradients, concatenated in bucket order, go through
+   `compressed_allreduce` with the error-feedback slot of that group's composition.
+   Results are written back into the bucket buffer, and the hook returns a completed future of
+   the buffer. The collectives are blocking: no overlap with the rest of backward.
+
+Error-feedback slots. One AllreduceState per composition: (codec, tuple of parameter names).
+DDP rebuilds its buckets after the first iteration, and an auto decision can move a tensor to
+another codec, so compositions change. A new composition takes over each parameter's worker
+error from the slot that held it (copied by name, so a residual is never dropped); the server
+error is per server chunk of a composition and starts fresh (one step's server rounding, of the
+averaged gradient, is lost). A slot whose every parameter has moved on is freed. The same
+happens after loading a checkpoint into a different world size (padded sizes differ).
+
+Bytes (see stats.py): the compressed allreduce counts its own payloads; plain and fp16
+allreduces count a ring allreduce's 2*(n-1)/n of their bytes; the agreement allreduce counts
+too (with no float32 equivalent: plain DDP does not send it). Latency: one call per bucket.
+"""
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..compression import CODECS
+from .allreduce import AllreduceState, _world, compressed_allreduce, layout
+from .policy import CompressionPolicy, concentration
+from .stats import CommStats, fp32_allreduce_bytes
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = "rapidfire_ray.comm.hook/1"
+CODEC_ORDER = tuple(CODECS)  # none, fp16, 1bit, 2bit: the same group order on every rank
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+@dataclass
+class _Slot:
+    codec: str
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    state: AllreduceState = field(default_factory=AllreduceState)
+    owned: int = 0  # parameters whose worker error lives here
+
+    def offsets(self) -> list[int]:
+        out, at = [], 0
+        for n in self.numels:
+            out.append(at)
+            at += n
+        return out
+
+    def fits(self, padded: int, m: int) -> bool:
+        w, s = self.state.worker_error, self.state.server_error
+        return (w is None or w.numel() == padded) and (s is None or s.numel() == m)
+
+
+class HookState:
+    """State of `compressed_allreduce_hook`: names, policy, group, error-feedback slots, stats.
+
+    `nonfinite`: parameter names whose gradient was NaN/inf on some rank, appended by the hook
+    (the same list on every rank); the trainer reads it after backward, skips the optimizer
+    step if it is not empty, and clears it. `skipped_buckets` counts zeroed buckets.
+    `timer`: optional object with `comm_interval(start, end)` (telemetry's StepTimer), told
+    each bucket's interval."""
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], policy: CompressionPolicy,
+                 group=None, stats: CommStats | None = None, timer=None):
+        self.policy = policy
+        self.group = group
+        self.stats = stats if stats is not None else CommStats()
+        self.timer = timer
+        self.nonfinite: list[str] = []
+        self.skipped_buckets = 0
+        self._names_by_id: dict[int, str] = {}
+        self._names_by_ptr: dict[tuple[int, int], str] = {}
+        for name, p in named_parameters:
+            self._names_by_id.setdefault(id(p), name)
+            self._names_by_ptr.setdefault((p.data_ptr(), p.numel()), name)
+        self._slots: dict[tuple, _Slot] = {}
+        self._owner: dict[str, tuple] = {}
+        self._warned_unnamed = False
+
+    # --- naming and layout -------------------------------------------------------------------
+
+    def _name(self, p: torch.Tensor, bucket_index: int, i: int) -> str:
+        name = self._names_by_id.get(id(p)) or self._names_by_ptr.get((p.data_ptr(), p.numel()))
+        if name is None:
+            name = f"<bucket{bucket_index}.param{i}>"
+            if not self._warned_unnamed:
+                log.warning("compressed allreduce hook: a bucket parameter is not in named_parameters; "
+                            "calling it %s (pass the DDP module's named_parameters())", name)
+                self._warned_unnamed = True
+        return name
+
+    def _entries(self, bucket, buffer: torch.Tensor) -> list[tuple[str, int, int]]:
+        """(name, offset into buffer, numel) per bucket parameter, in bucket order."""
+        base, size, es = buffer.data_ptr(), buffer.numel(), buffer.element_size()
+        out, at = [], 0
+        for i, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients())):
+            n = g.numel()
+            ptr = g.data_ptr()
+            if n and g.dtype == buffer.dtype and base <= ptr and (ptr - base) // es + n <= size:
+                at = (ptr - base) // es
+            out.append((self._name(p, bucket.index(), i), at, n))
+            at += n
+        return out
+
+    # --- error-feedback slots ----------------------------------------------------------------
+
+    def _slot(self, codec: str, names: tuple[str, ...], numels: tuple[int, ...], ws: int,
+              device: torch.device) -> _Slot:
+        key = (codec, names)
+        m, padded = layout(sum(numels), ws)
+        slot = self._slots.get(key)
+        if slot is not None and slot.numels == numels and slot.fits(padded, m):
+            return slot
+        new = _Slot(codec, names, numels)
+        worker_error = None
+        for name, offset, n in zip(names, new.offsets(), numels):
+            old_key = self._owner.get(name)
+            old = self._slots.get(old_key) if old_key is not None else None
+            if old is not None and old.state.worker_error is not None and name in old.names:
+                j = old.names.index(name)
+                if old.numels[j] == n:
+                    at = old.offsets()[j]
+                    if worker_error is None:
+                        worker_error = torch.zeros(padded, dtype=torch.float32, device=device)
+                    worker_error[offset:offset + n].copy_(old.state.worker_error.reshape(-1)[at:at + n])
+        new.state.worker_error = worker_error
+        self._slots.pop(key, None)
+        for name in names:
+            old_key = self._owner.get(name)
+            if old_key is not None and old_key != key and old_key in self._slots:
+                old = self._slots[old_key]
+                old.owned -= 1
+                if old.owned <= 0:
+                    del self._slots[old_key]
+            self._owner[name] = key
+        new.owned = len(names)
+        self._slots[key] = new
+        return new
+
+    def reset_errors(self) -> None:
+        """Drop every error-feedback buffer (e.g. to restart compression from scratch)."""
+        self._slots.clear()
+        self._owner.clear()
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Error buffers (CPU copies) of every slot and the policy's auto choices."""
+        return {"format": STATE_FORMAT, "policy": self.policy.state_dict(),
+                "slots": [{"codec": s.codec, "names": list(s.names), "numels": list(s.numels),
+                           "state": s.state.state_dict()} for s in self._slots.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore slots and policy state. Buffers stay on CPU until their first use, then live
+        on the gradients' device; a different world size re-lays worker errors by name and
+        starts server errors fresh."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"compressed allreduce hook: not a hook state dict (expected format {STATE_FORMAT!r})")
+        self.policy.load_state_dict(state["policy"])
+        self._slots.clear()
+        self._owner.clear()
+        for entry in state["slots"]:
+            slot = _Slot(entry["codec"], tuple(entry["names"]), tuple(int(n) for n in entry["numels"]))
+            slot.state.load_state_dict(entry["state"])
+            key = (slot.codec, slot.names)
+            self._slots[key] = slot
+            for name in slot.names:
+                self._owner[name] = key
+            slot.owned = len(slot.names)
+
+    # --- the bucket ----------------------------------------------------------------------------
+
+    def _allreduce(self, t: torch.Tensor, ws: int, fp32_numel: int = 0) -> None:
+        if ws > 1:
+            dist.all_reduce(t, group=self.group)
+            nbytes = 2 * (ws - 1) * t.numel() * t.element_size() // ws
+            self.stats.add_bytes(nbytes, nbytes, fp32_allreduce_bytes(fp32_numel, ws))
+
+    def _process(self, bucket, buffer: torch.Tensor) -> None:
+        ws, _ = _world(self.group)
+        policy = self.policy
+        entries = self._entries(bucket, buffer)
+        rules = [policy.rule(name, n) for name, _, n in entries]
+        due = [i for i, r in enumerate(rules) if r == "auto" and policy.due(entries[i][0])]
+
+        # One allreduce: non-finite flag + the concentration statistics due this step.
+        parts = [(~torch.isfinite(buffer).all()).to(torch.float32).reshape(1)]
+        if due:
+            shares = [concentration(buffer[off:off + n]) for _, off, n in (entries[i] for i in due)]
+            parts.append(torch.tensor(shares, dtype=torch.float32, device=buffer.device))
+        agreed = torch.cat(parts)
+        self._allreduce(agreed, ws)
+        agreed = agreed.tolist()
+
+        if agreed[0] > 0:
+            flags = torch.stack([~torch.isfinite(buffer[off:off + n]).all() for _, off, n in entries]).to(torch.float32)
+            self._allreduce(flags, ws)
+            bad = [name for (name, _, _), f in zip(entries, flags.tolist()) if f > 0]
+            self.nonfinite.extend(name for name in bad if name not in self.nonfinite)
+            self.skipped_buckets += 1
+            buffer.zero_()
+            log.warning("non-finite gradient in bucket %d (%s); bucket zeroed on every rank",
+                        bucket.index(), ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
+            return
+
+        for j, i in enumerate(due):
+            policy.decide(entries[i][0], agreed[1 + j] / ws)
+        codecs = [policy.choices.get(name, "1bit") if r == "auto" else r for (name, _, _), r in zip(entries, rules)]
+
+        for codec in CODEC_ORDER:
+            members = [e for e, c in zip(entries, codecs) if c == codec]
+            if not members:
+                continue
+            spans = [(off, n) for _, off, n in members]
+            numel = sum(n for _, n in spans)
+            flat, is_view = _gather(buffer, spans)
+            if codec == "none":
+                flat.div_(ws)
+                self._allreduce(flat, ws, numel)
+                result = flat
+            elif codec == "fp16":
+                limit = 0.99 * FP16_MAX / ws
+                half = (flat.to(torch.float32) / ws).clamp_(-limit, limit).to(torch.float16)
+                self._allreduce(half, ws, numel)
+                flat.copy_(half)
+                result = flat
+            else:
+                names = tuple(name for name, _, _ in members)
+                slot = self._slot(codec, names, tuple(n for _, n in spans), ws, buffer.device)
+                result = compressed_allreduce(flat, policy.codec(codec), slot.state, self.group, self.stats)
+                if is_view:
+                    flat.copy_(result)
+            if not is_view:
+                _scatter(buffer, spans, result)
+
+        for (name, _, _), r in zip(entries, rules):
+            if r == "auto":
+                policy.advance(name)
+
+
+def _gather(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, bool]:
+    """The spans' elements as one flat tensor: a view of the buffer when they are adjacent."""
+    adjacent = all(spans[k + 1][0] == spans[k][0] + spans[k][1] for k in range(len(spans) - 1))
+    if adjacent:
+        start = spans[0][0]
+        return buffer[start:start + sum(n for _, n in spans)], True
+    return torch.cat([buffer[o:o + n] for o, n in spans]), False
+
+
+def _scatter(buffer: torch.Tensor, spans: list[tuple[int, int]], flat: torch.Tensor) -> None:
+    at = 0
+    for o, n in spans:
+        buffer[o:o + n].copy_(flat[at:at + n])
+        at += n
+
+
+def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: `ddp_model.register_comm_hook(state, compressed_allreduce_hook)`.
+    Averages the bucket per the policy (see the module docstring); returns a completed future
+    of the bucket buffer. (This module has no `from __future__ import annotations`: DDP checks
+    these annotations at runtime and rejects strings.)"""
+    buffer = bucket.buffer()
+    start = time.perf_counter()
+    with state.stats.timed(buffer.device):
+        state._process(bucket, buffer)
+    if state.timer is not None:
+        state.timer.comm_interval(start, time.perf_counter())
+    # A future holding CUDA tensors must name their devices (torch.futures.Future's contract),
+    # so that DDP's wait synchronises with the stream the result was written on.
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[buffer.device] if buffer.is_cuda else None)
+    fut.set_result(buffer)
+    return fut
