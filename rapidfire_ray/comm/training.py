@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,7 @@ class TrainerComm:
         self._pending_state: dict | None = None
         self._pending_optimizer_state: dict | None = None
         self._skipped_before = 0
+        self._auto_counts: dict | None = None
 
     # --- optimizer --------------------------------------------------------------------------
 
@@ -147,6 +149,12 @@ class TrainerComm:
         if self.optimizer is not None:
             out["untimed_comm_phase"] = "optimizer" if self.optimizer.steps > self.optimizer.freeze_step else "backward"
         out["skipped_steps"] = self.skipped_steps
+        if self.hook_state is not None and self.hook_state.policy.grad == "auto":
+            counts = dict(Counter(self.hook_state.policy.choices.values()))
+            out["auto_codecs"] = counts  # tensors per chosen codec, in steps.jsonl
+            if counts != self._auto_counts and self.rank == 0:
+                print(f"[rapidfire] compression.grad auto: tensors per codec {counts}", flush=True)
+            self._auto_counts = counts
         return out
 
     def state_file(self, checkpoint_dir: str) -> str:
