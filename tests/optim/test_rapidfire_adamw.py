@@ -275,7 +275,8 @@ def _simulated_compressed_step(adamw, params, grads, codec, ar_states) -> None:
             st["step"] += 1
             p.mul_(1 - lr * wd)
             denom = (st["exp_avg_sq"].sqrt() / (1 - b2 ** st["variance_step"]) ** 0.5).add_(eps)
-            p.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1 ** st["step"].item()))
+            update = (st["exp_avg"] / (1 - b1 ** st["step"].item())).div_(denom).clamp_(-1.0, 1.0)  # max_update
+            p.add_(update, alpha=-lr)
 
 
 DDP_STEPS, DDP_FREEZE = 100, 20
@@ -376,3 +377,24 @@ def test_state_dict_round_trips_through_weights_only_load():
     assert ours["allreduce"]["rank"] == 0 and ours["allreduce"]["world_size"] == 1
     assert set(ours["allreduce"]["states"]) == {"0.0", "1.0", "2.0"}
     assert all(v["worker_error"].device.type == "cpu" for v in ours["allreduce"]["states"].values())
+
+
+def test_compressed_stage_bounds_each_element_update():
+    """An element with a tiny (not zero) frozen variance would get a huge step from 1-bit momentum
+    (every element of a chunk carries the chunk's scale); the update bound caps it at lr."""
+    from rapidfire_ray.optim import RapidfireAdamW
+
+    def run(max_update):
+        p = torch.nn.Parameter(torch.zeros(4096))
+        opt = RapidfireAdamW([p], lr=0.01, weight_decay=0.0, freeze_step=1, codec="1bit", max_update=max_update)
+        warm = torch.ones(4096)
+        warm[0] = 1e-6
+        p.grad = warm
+        opt.step()  # warm-up: v[0] ~ 1e-12
+        before = p.detach().clone()
+        p.grad = torch.ones(4096)
+        opt.step()  # compressed stage
+        return (p.detach() - before).abs()
+
+    assert run(1.0).max() <= 0.01 + 1e-7
+    assert run(None)[0] > 100 * 0.01  # what the bound prevents
