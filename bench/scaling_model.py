@@ -9,8 +9,17 @@ communication mode, from measured or assumed inputs.
     rapidfire_adamw       warm-up share w at fp32 allreduce, the rest like allreduce_compressed:
                           w * allreduce + (1 - w) * compressed
 
+allreduce_compressed under a per-layer policy (`codec_params`: gradient elements per wire codec,
+e.g. {"fp16": 16704, "1bit": 90496}): C sums each codec's wire bytes; every fp16/none group is
+one more plain allreduce (+ 2 (n-1) latency), every 1bit/2bit group one two-phase allreduce
+(+ 3 (n-1) latency), and only the 1bit/2bit elements pay the codec time.
+
 `n` is the number of nodes (inside a node, NVLink/shared memory is taken as free next to the
-network), `B` the per-node link bandwidth in bytes/s. Wire bytes per codec come from the
+network), `B` the per-node link bandwidth in bytes/s, of which payload gets B / overhead: a
+link's rate counts frames, and over TCP every MSS of payload travels in a frame with headers
+while the node's own egress also carries the ACKs for what it receives (`Link.wire_overhead`;
+TCP/IPv4 with timestamps over 1500-byte Ethernet: 1514/1448 + 66/(2*1448) = 1.068 with one
+delayed ACK per two segments; 1.0 leaves it out). Wire bytes per codec come from the
 codecs' formulas (`rapidfire_ray.compression`), so the model and the code agree by construction.
 
     python bench/scaling_model.py project              # the README table: 7B / 70B on 8xA100 nodes
@@ -39,6 +48,16 @@ class Link:
     name: str
     bandwidth_bytes_s: float  # per node, one direction
     latency_s: float
+    wire_overhead: float = 1.0  # link bytes per payload byte (headers, ACKs); see the module docstring
+
+
+def tcp_wire_overhead(mtu: int = 1500, ethernet_header: int = 14, ip_tcp_headers: int = 52) -> float:
+    """Link bytes per payload byte of a symmetric TCP exchange (each node sends what it receives):
+    each MSS (mtu - IP/TCP headers, timestamps on) goes in an mtu + Ethernet header frame, and one
+    header-only ACK frame per two received segments leaves by the same egress."""
+    mss = mtu - ip_tcp_headers
+    frame = ethernet_header + ip_tcp_headers
+    return (mss + frame) / mss + frame / (2 * mss)
 
 
 @dataclass(frozen=True)
@@ -49,6 +68,8 @@ class StepInputs:
     codec: str = "1bit"
     codec_gbps: float = 0.25  # encode+decode throughput in GB/s of fp32 input (bench/codecs.py)
     warmup_share: float = 0.2  # rapidfire_adamw: share of steps in full-precision warm-up
+    # allreduce_compressed with a per-layer policy: ((codec, elements), ...); None: all `codec`
+    codec_params: tuple[tuple[str, int], ...] | None = None
 
 
 def exchange_s(mode: str, x: StepInputs, link: Link) -> float:
@@ -56,12 +77,18 @@ def exchange_s(mode: str, x: StepInputs, link: Link) -> float:
     if n <= 1:
         return 0.0
     ring = 2 * (n - 1) / n
-    fp32 = ring * 4 * x.params / link.bandwidth_bytes_s + 2 * (n - 1) * link.latency_s
-    compressed = (ring * wire_bytes(x.codec, x.params) / link.bandwidth_bytes_s + 3 * (n - 1) * link.latency_s
+    payload_bytes_s = link.bandwidth_bytes_s / link.wire_overhead
+    fp32 = ring * 4 * x.params / payload_bytes_s + 2 * (n - 1) * link.latency_s
+    compressed = (ring * wire_bytes(x.codec, x.params) / payload_bytes_s + 3 * (n - 1) * link.latency_s
                   + 4 * x.params / (x.codec_gbps * 1e9))
     if mode == "allreduce":
         return fp32
     if mode == "allreduce_compressed":
+        if x.codec_params:
+            return sum(ring * wire_bytes(codec, numel) / payload_bytes_s
+                       + (2 if codec in ("none", "fp16") else 3) * (n - 1) * link.latency_s
+                       + (0.0 if codec in ("none", "fp16") else 4 * numel / (x.codec_gbps * 1e9))
+                       for codec, numel in x.codec_params if numel)
         return compressed
     if mode == "rapidfire_adamw":
         return x.warmup_share * fp32 + (1 - x.warmup_share) * compressed
@@ -110,11 +137,13 @@ def check(path: str) -> list[dict]:
         runs = json.load(f)["runs"]
     out = []
     for r in runs:
-        link = Link("measured", r["bandwidth_bytes_s"], r.get("latency_s", 0.0))
+        link = Link("measured", r["bandwidth_bytes_s"], r.get("latency_s", 0.0), r.get("wire_overhead", 1.0))
         x = StepInputs(params=r["params"], compute_s=r["compute_s"], nodes=r["nodes"], codec=r.get("codec", "1bit"),
-                       codec_gbps=r.get("codec_gbps", 0.25), warmup_share=r.get("warmup_share", 0.0))
+                       codec_gbps=r.get("codec_gbps", 0.25), warmup_share=r.get("warmup_share", 0.0),
+                       codec_params=tuple(sorted(r["codec_params"].items())) if r.get("codec_params") else None)
         predicted = step_s(r["mode"], x, link)
-        out.append({"mode": r["mode"], "nodes": r["nodes"], "measured_s": r["step_s"], "predicted_s": round(predicted, 4),
+        out.append({"mode": r["mode"], **({"variant": r["variant"]} if "variant" in r else {}), "nodes": r["nodes"],
+                    "measured_s": r["step_s"], "predicted_s": round(predicted, 4),
                     "error": round(predicted / r["step_s"] - 1, 3)})
     return out
 
