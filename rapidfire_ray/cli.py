@@ -29,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     t.add_argument("--communication", default=None, metavar="MODE",
                    help="gradient exchange: allreduce or allreduce_compressed (sets communication.mode)")
+    t.add_argument("--memory_optim", "--memory-optim", default=None, metavar="LEVEL",
+                   help="memory level0..level3 (sets memory.optim_level; see the README's table)")
+    t.add_argument("--precision", default=None, metavar="P", help="auto, fp32, fp16, bf16 or fp8 (sets train.precision)")
+    t.add_argument("--hybrid_parallel", "--hybrid-parallel", action="store_true",
+                   help="shard parameters within a node, replicate across nodes (sets scaling.hybrid_parallel)")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="override any config key, e.g. train.max_steps=10")
 
     c = sub.add_parser("config", help="print the resolved config as YAML")
@@ -50,8 +55,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
 
         overrides = list(args.overrides)
-        if getattr(args, "communication", None):
-            overrides.append(f"communication.mode={args.communication}")
+        flags = {"communication": "communication.mode", "memory_optim": "memory.optim_level",
+                 "precision": "train.precision"}
+        overrides += [f"{key}={getattr(args, flag)}" for flag, key in flags.items() if getattr(args, flag, None)]
+        if getattr(args, "hybrid_parallel", False):
+            overrides.append("scaling.hybrid_parallel=true")
         cfg = load_config(args.profile, overrides)
         if args.command == "config" or args.dry_run:
             print(to_yaml(cfg), end="")

@@ -155,6 +155,10 @@ def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
+def _listed(values) -> str:
+    return ", ".join("null" if v is None else str(v) for v in values)
+
+
 def _get(cfg: DictConfig, key: str) -> Any:
     return OmegaConf.select(cfg, key)
 
@@ -167,8 +171,8 @@ def validate(cfg: DictConfig) -> None:
             continue
         if value in later:
             raise RapidfireError(f"{key}: {_show(value)} is not available yet (it comes with "
-                                 f"{PLANNED_IN[key]}); use one of: {', '.join(now)}")
-        raise RapidfireError(f"{key}: {_show(value)} is not one of: {', '.join(now + later)}")
+                                 f"{PLANNED_IN[key]}); use one of: {_listed(now)}")
+        raise RapidfireError(f"{key}: {_show(value)} is not one of: {_listed(now + later)}")
     for key, (low, high) in RANGES.items():
         value = _get(cfg, key)
         if value is None:
@@ -207,6 +211,7 @@ def validate(cfg: DictConfig) -> None:
         raise RapidfireError(f"data.dynamic_batch.max_tokens: {db.max_tokens} is smaller than one row of "
                              f"data.max_length {cfg.data.max_length} tokens; raise it to >= {cfg.data.max_length}")
     _check_communication(cfg)
+    _check_memory(cfg)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", cfg.run.name):
         raise RapidfireError(f"run.name: {_show(cfg.run.name)} is invalid; allowed: letters, digits, '.', "
                              "'_', '-' (it names a folder), at most 100 characters")
@@ -236,3 +241,28 @@ def _check_communication(cfg: DictConfig) -> None:
         raise RapidfireError(f"optimizer.params.compression.grad: {_show(grad)} needs communication.mode "
                              "allreduce_compressed (plain allreduce sends fp32); set communication.mode="
                              "allreduce_compressed, or optimizer.type=rapidfire_adamw to compress momentum")
+
+
+def _check_memory(cfg: DictConfig) -> None:
+    """Memory level, sharding and precision combinations that cannot work."""
+    level, workers, mem = cfg.memory.optim_level, cfg.scaling.num_workers, cfg.memory
+    sharded = level == "level3" or cfg.scaling.hybrid_parallel
+    what = "scaling.hybrid_parallel" if cfg.scaling.hybrid_parallel else "memory.optim_level: level3"
+    if sharded and workers < 2:
+        raise RapidfireError(f"{what} shards parameters across workers, which is meaningless with "
+                             "scaling.num_workers 1; use memory.optim_level level2, or 2 or more workers")
+    if sharded and (cfg.communication.mode != "allreduce" or cfg.optimizer.type == "rapidfire_adamw"):
+        chosen = (f"communication.mode {cfg.communication.mode}" if cfg.communication.mode != "allreduce"
+                  else "optimizer.type rapidfire_adamw")
+        raise RapidfireError(f"{what}: ZeRO-3 exchanges gradients inside DeepSpeed (reduce-scatter), so it cannot "
+                             f"be combined with {chosen}; use communication.mode allreduce with optimizer.type "
+                             "adamw, or memory.optim_level level2")
+    if mem.offload_optimizer and not sharded:
+        raise RapidfireError("memory.offload_optimizer: only used with ZeRO-3 (memory.optim_level level3 or "
+                             "scaling.hybrid_parallel); set memory.optim_level=level3 or remove it")
+    precision = cfg.train.precision
+    if not cfg.scaling.use_gpu and precision in ("fp16", "fp8"):
+        why = "fp8 needs an NVIDIA GPU with compute capability 8.9+ (H100, H200, L40S)" if precision == "fp8" \
+            else "fp16 needs a CUDA GPU (its loss scaling and kernels are GPU-only)"
+        raise RapidfireError(f"train.precision: {precision} on CPU workers (scaling.use_gpu false): {why}; "
+                             "use bf16 or fp32, or scaling.use_gpu=true on a GPU cluster")

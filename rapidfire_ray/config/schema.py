@@ -70,13 +70,17 @@ class TrainSection:
     lr_scheduler: str = opt("linear", "learning-rate schedule after warm-up")
     warmup_steps: int = opt(0, "steps of linear learning-rate warm-up")
     log_every_steps: int = opt(1, "progress and metric reports, in optimizer steps")
+    precision: str = opt("auto", "compute precision (weights and optimizer stay fp32); auto: by parameter count "
+                                 "and hardware (< 7B fp16, 7-20B bf16, > 20B fp8 where the GPU has it; CPU fp32, "
+                                 "bf16 with AMX), logged with its reason")
 
 
 @dataclass
 class CompressionSection:
     grad: str = opt("none", "gradient codec on the wire (allreduce_compressed), or rapidfire_adamw's momentum "
                             "codec; auto picks 1bit or 2bit per tensor from its gradient statistics")
-    act: str = opt("none", "compression of activations saved for backward")
+    act: Optional[str] = opt(None, "compression of activations saved for backward inside the decoder blocks "
+                                   "(null: int8 from memory.optim_level level2 up, else none)")
     keep_fp16: List[str] = opt(["*o_proj*", "*out_proj*", "*c_proj*", "*norm*", "*ln_*", "*.bias"],
                                "parameter-name patterns (fnmatch) whose gradients stay fp16: attention output "
                                "projections, norms, biases; [] compresses everything")
@@ -109,6 +113,8 @@ class ScalingSection:
     cpus_per_worker: int = opt(1, "CPUs reserved per worker; also its torch thread count")
     placement: str = opt("PACK", "where Ray puts the workers: PACK (fill a node first) or SPREAD (one per node "
                                  "where possible)")
+    hybrid_parallel: bool = opt(False, "shard parameters within a node, replicate them across nodes (for models "
+                                       "above 20B; see the README for the supported combinations)")
 
 
 @dataclass
@@ -120,7 +126,10 @@ class CommunicationSection:
 
 @dataclass
 class MemorySection:
-    optim_level: str = opt("level0", "memory optimisation level (level0: none)")
+    optim_level: str = opt("level0", "level0: none; level1: selective gradient checkpointing sized to the memory "
+                                     "budget; level2: + int8 saved activations + allocator defragmentation; "
+                                     "level3: + DeepSpeed ZeRO-3 sharding across workers")
+    offload_optimizer: bool = opt(False, "level3: keep the optimizer state in CPU memory (ZeRO-Offload)")
 
 
 @dataclass
@@ -150,13 +159,14 @@ CHOICES = {
     "data.dynamic_batch.strategy": (("fixed", "token_budget", "memory_aware"), ()),
     "train.stage": (("sft",), ("reward", "rl", "pipeline")),
     "train.lr_scheduler": (("constant", "linear", "cosine"), ()),
+    "train.precision": (("auto", "fp32", "fp16", "bf16", "fp8"), ()),
     "optimizer.type": (("adamw", "rapidfire_adamw"), ()),
     "optimizer.params.compression.grad": (("none", "fp16", "1bit", "2bit", "auto"), ()),
-    "optimizer.params.compression.act": (("none",), ("int8",)),
+    "optimizer.params.compression.act": (("none", "int8", None), ()),
     "communication.mode": (("allreduce", "allreduce_compressed"), ("parameter_server",)),
     "communication.on_nonfinite": (("skip", "fail"), ()),
     "scaling.placement": (("PACK", "SPREAD"), ()),
-    "memory.optim_level": (("level0",), ("level1", "level2", "level3")),
+    "memory.optim_level": (("level0", "level1", "level2", "level3"), ()),
 }
 
 # key -> (lowest allowed, highest allowed or None), inclusive
@@ -192,9 +202,7 @@ RANGES = {
 # Which later part of the project brings each planned feature (for the refusal message).
 PLANNED_IN = {
     "train.stage": "the reward/RL stages release",
-    "optimizer.params.compression.act": "the memory release",
     "communication.mode": "the parameter-server release",
-    "memory.optim_level": "the memory release",
 }
 
 
@@ -211,7 +219,7 @@ def reference_markdown() -> str:
             default = f.default_factory() if f.default is MISSING_DEFAULT else f.default
             if key in CHOICES:
                 now, later = CHOICES[key]
-                allowed = ", ".join(f"`{v}`" for v in now) + "".join(f", `{v}` (*planned*)" for v in later)
+                allowed = ", ".join("`null`" if v is None else f"`{v}`" for v in now) + "".join(f", `{v}` (*planned*)" for v in later)
             elif key in RANGES:
                 low, high = RANGES[key]
                 allowed = f">= {low}" if high is None else f"{low} .. {high}"

@@ -47,7 +47,10 @@ class MemoryModel:
     world_size: int = 1
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, *, world_size: int = 1, checkpointed_layers: int = 0) -> MemoryModel:
+    def for_model(cls, model: torch.nn.Module, *, world_size: int = 1, checkpointed_layers: int = 0,
+                  act_bytes: int | None = None) -> MemoryModel:
+        """`act_bytes`: bytes per saved activation element when autocast computes in a narrower type
+        than the weights (2 for bf16/fp16); default: the weights' element size."""
         while not hasattr(model, "config") and hasattr(model, "module"):  # DDP / FSDP wrappers
             model = model.module
         c = model.config
@@ -58,7 +61,7 @@ class MemoryModel:
         return cls(num_layers=c.num_hidden_layers, hidden=c.hidden_size, kv_hidden=kv_heads * head_dim,
                    intermediate=c.intermediate_size, heads=heads, vocab=c.vocab_size,
                    num_params=sum(p.numel() for p in model.parameters()),
-                   param_bytes=torch.finfo(dtype).bits // 8, act_bytes=torch.finfo(dtype).bits // 8,
+                   param_bytes=torch.finfo(dtype).bits // 8, act_bytes=act_bytes or torch.finfo(dtype).bits // 8,
                    attention=getattr(c, "_attn_implementation", None) or "sdpa",
                    checkpointed_layers=checkpointed_layers, world_size=world_size)
 

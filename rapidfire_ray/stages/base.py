@@ -1,5 +1,6 @@
 """What every stage's trainer shares: our dataloader seam, the step-phase timing, and the
-out-of-memory backoff (split the batch, retry, lower the budget)."""
+out-of-memory backoff (at memory level2 first free cached blocks and retry once; then split the
+batch, retry, lower the budget)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data.backoff import BatchDoesNotFit, OOMBackoff, is_out_of_memory, split_batch
+from ..memory.allocator import release_cached
 from ..telemetry.timing import StepTimer, timed_allreduce_hook
 
 
@@ -27,6 +29,8 @@ class RayStageMixin:
     rf_timer: StepTimer | None = None
     rf_backoff: OOMBackoff | None = None
     rf_comm = None  # comm.training.TrainerComm: gradient exchange, optimizer, accounting
+    rf_defragment = False  # memory level2+: on OOM free cached blocks and retry once before splitting
+    rf_defrag_retries = 0
     _rf_hooked = False
 
     def get_train_dataloader(self):
@@ -87,16 +91,30 @@ class RayStageMixin:
         try:
             return self._rf_timed_step(model, piece, num_items_in_batch)
         except _ForwardOutOfMemory as oom:
-            rows, width = piece["input_ids"].shape
-            if rows == 1:
-                raise BatchDoesNotFit(
-                    f"out of memory on a single row of {width} tokens at step {self.state.global_step + 1} "
-                    f"({str(oom.error).splitlines()[0][:160]}); lower data.max_length, lower "
-                    "data.dynamic_batch.memory_threshold or give each worker more memory") from oom.error
-            self.rf_backoff.lower(piece, self.state.global_step + 1)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # hand cached blocks back before the smaller retry
+            if self.rf_defragment:
+                # Fragmentation can fail a batch that fits: hand cached blocks back and retry it once.
+                release_cached(self.args.device)
+                self.rf_defrag_retries += 1
+                try:
+                    return self._rf_timed_step(model, piece, num_items_in_batch)
+                except _ForwardOutOfMemory as again:
+                    oom = again
+            self._rf_split_or_fail(oom, piece)
             return self._rf_pieces(model, split_batch(piece, 2), num_items_in_batch)
+
+    def _rf_split_or_fail(self, oom: _ForwardOutOfMemory, piece: dict) -> None:
+        """Lower this rank's budget for batches like `piece` (the caller retries it in halves), or
+        fail with what to change when it is a single row."""
+        rows, width = piece["input_ids"].shape
+        if rows == 1:
+            raise BatchDoesNotFit(
+                f"out of memory on a single row of {width} tokens at step {self.state.global_step + 1} "
+                f"({str(oom.error).splitlines()[0][:160]}); lower data.max_length, lower "
+                "data.dynamic_batch.memory_threshold, raise memory.optim_level or give each worker more memory"
+            ) from oom.error
+        self.rf_backoff.lower(piece, self.state.global_step + 1)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand cached blocks back before the smaller retry
 
     def _rf_timed_step(self, model, inputs, num_items_in_batch):
         forward_before = self.rf_timer.seconds("forward")

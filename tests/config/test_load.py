@@ -87,13 +87,43 @@ def test_bad_values_name_key_value_and_allowed(override, expected):
 @pytest.mark.parametrize("override, later", [
     ("train.stage=reward", "reward/RL"),
     ("train.stage=pipeline", "reward/RL"),
-    ("optimizer.params.compression.act=int8", "memory"),
     ("communication.mode=parameter_server", "parameter-server"),
-    ("memory.optim_level=level3", "memory"),
 ])
 def test_planned_values_are_refused_until_their_feature_exists(override, later):
     msg = error_of(None, [override])
     assert "is not available yet" in msg and later in msg
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["memory.optim_level=level3", "scaling.num_workers=1"], "meaningless with scaling.num_workers 1"),
+    (["scaling.hybrid_parallel=true", "scaling.num_workers=1"], "scaling.hybrid_parallel shards parameters"),
+    (["memory.optim_level=level3", "communication.mode=allreduce_compressed",
+      "optimizer.params.compression.grad=1bit"], "cannot be combined with communication.mode allreduce_compressed"),
+    (["memory.optim_level=level3", "optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit"],
+     "cannot be combined with optimizer.type rapidfire_adamw"),
+    (["memory.offload_optimizer=true"], "memory.offload_optimizer: only used with ZeRO-3"),
+    (["train.precision=fp8"], "train.precision: fp8 on CPU workers"),
+    (["train.precision=fp16"], "train.precision: fp16 on CPU workers"),
+    (["optimizer.params.compression.act=int4"], "not one of: none, int8, null"),
+])
+def test_memory_combinations_that_cannot_work(overrides, expected):
+    assert expected in error_of(None, overrides)
+
+
+def test_memory_levels_resolve():
+    from rapidfire_ray.memory.levels import MemoryOptions
+
+    level = {n: MemoryOptions.from_config(load_config(None, [f"memory.optim_level={n}"]))
+             for n in ("level0", "level1", "level2", "level3")}
+    assert (level["level0"].checkpointing, level["level0"].act, level["level0"].zero_stage) == (False, "none", 0)
+    assert (level["level1"].checkpointing, level["level1"].act) == (True, "none")
+    assert (level["level2"].act, level["level2"].defragment, level["level2"].zero_stage) == ("int8", True, 0)
+    assert level["level3"].zero_stage == 3 and level["level3"].act == "int8"
+    explicit = MemoryOptions.from_config(load_config(None, ["memory.optim_level=level2",
+                                                            "optimizer.params.compression.act=none"]))
+    assert explicit.act == "none" and explicit.checkpointing
+    assert "ZeRO-3 within each node" in MemoryOptions.from_config(
+        load_config(None, ["scaling.hybrid_parallel=true"])).describe()
 
 
 def test_token_budget_rules():
