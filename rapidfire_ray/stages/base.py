@@ -90,17 +90,18 @@ class RayStageMixin:
     def _rf_piece(self, model, piece: dict, num_items_in_batch):
         try:
             return self._rf_timed_step(model, piece, num_items_in_batch)
-        except _ForwardOutOfMemory as oom:
-            if self.rf_defragment:
-                # Fragmentation can fail a batch that fits: hand cached blocks back and retry it once.
-                release_cached(self.args.device)
-                self.rf_defrag_retries += 1
-                try:
-                    return self._rf_timed_step(model, piece, num_items_in_batch)
-                except _ForwardOutOfMemory as again:
-                    oom = again
-            self._rf_split_or_fail(oom, piece)
-            return self._rf_pieces(model, split_batch(piece, 2), num_items_in_batch)
+        except _ForwardOutOfMemory as first:
+            error = first
+        if self.rf_defragment:
+            # Fragmentation can fail a batch that fits: hand cached blocks back and retry it once.
+            release_cached(self.args.device)
+            self.rf_defrag_retries += 1
+            try:
+                return self._rf_timed_step(model, piece, num_items_in_batch)
+            except _ForwardOutOfMemory as again:
+                error = again
+        self._rf_split_or_fail(error, piece)
+        return self._rf_pieces(model, split_batch(piece, 2), num_items_in_batch)
 
     def _rf_split_or_fail(self, oom: _ForwardOutOfMemory, piece: dict) -> None:
         """Lower this rank's budget for batches like `piece` (the caller retries it in halves), or
