@@ -6,7 +6,16 @@ from typing import Any, Mapping
 from .errors import RapidfireError, RunFailed
 
 __version__ = "0.1.0"
-__all__ = ["RapidfireError", "RunFailed", "train", "__version__"]
+__all__ = ["RapidfireError", "RunFailed", "optimized_graph", "train", "__version__"]
+
+
+def __getattr__(name: str):
+    # `import rapidfire_ray` stays light: optimized_graph pulls in torch and transformers when first used.
+    if name == "optimized_graph":
+        from .memory.activations import optimized_graph
+
+        return optimized_graph
+    raise AttributeError(f"module 'rapidfire_ray' has no attribute {name!r}")
 
 
 def train(profile: Any = None, *, address: str | None = None, resume: bool = False,

@@ -21,6 +21,8 @@ from .data.prepare import build_sft_dataset, row_lengths  # noqa: E402
 from .data.sharding import TRAIN, ExactSplitDataConfig  # noqa: E402
 from .data.sources import list_data_files  # noqa: E402
 from .errors import RapidfireError, RunFailed  # noqa: E402
+from .memory import allocator  # noqa: E402
+from .memory.levels import MemoryOptions  # noqa: E402
 from .models import load_tokenizer  # noqa: E402
 from .atomic import atomic_write_json, atomic_write_jsonl
 from .results import export_model, memory_check, summarise  # noqa: E402
@@ -144,6 +146,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
                              "usable rows; use fewer workers or more data")
 
     lengths = dynamic_batch_lengths(cfg, ds)
+    memory_options = MemoryOptions.from_config(cfg)
     plain = OmegaConf.to_container(cfg, resolve=True)
     board = ProgressBoard.remote()
     sample_rows = [{"input_ids": [int(t) for t in r["input_ids"]],
@@ -162,7 +165,8 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=0),
             logging_config=LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker)}},
+            worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker),
+                                             **(allocator.worker_env() if memory_options.defragment else {})}},
         ),
         datasets={TRAIN: ds},
         dataset_config=ExactSplitDataConfig(shard_by_node=cfg.data.shard_by_node, board=board,
@@ -180,6 +184,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             raise RunFailed(f"training failed: {result.error}")
         snapshot = ray.get(board.snapshot.remote())
         memory_model = ray.get(board.get.remote("memory_model"))
+        memory = ray.get(board.get.remote("memory"))
     finally:
         ray.kill(board)
 
@@ -190,6 +195,10 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=cfg.scaling.num_workers,
                         model_dir=model_dir, data=report.to_dict(), wall_s=time.time() - t_start)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint is not None else None
+    if memory is not None:
+        summary["memory"] = {**{k: v for k, v in memory.items() if k != "description"},
+                             "peak_memory_bytes": summary["peak_memory_bytes"]}
+        say(memory["description"])
     if memory_model is not None:
         summary["memory_model"] = memory_check(memory_model, snapshot["steps"])
         say(f"memory_aware: {memory_model['description']}; estimated peak "

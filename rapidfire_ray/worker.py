@@ -20,7 +20,9 @@ from .data.backoff import OOMBackoff
 from .data.loader import DynamicBatches, ShardLoader
 from .data.sharding import PLAN_KEY, TRAIN, ShardPlan
 from .errors import RapidfireError
-from .memory import MemoryModel, free_memory_bytes, memory_in_use_bytes
+from .memory import free_memory_bytes, memory_in_use_bytes
+from .memory.estimate import MemoryModel
+from .memory.setup import WorkerMemory
 from .models import load_model, load_tokenizer
 from .stages.sft import build_sft_trainer
 from .telemetry.callback import RayRunCallback
@@ -41,7 +43,8 @@ def train_loop_per_worker(config: dict) -> None:
     baseline_bytes = memory_in_use_bytes(device)
     tokenizer = load_tokenizer(cfg["model"]["name"])
     model = load_model(cfg["model"]["name"], dtype=torch.float32)
-    dynamic = _dynamic_batches(cfg, config["lengths"], model, world, free_bytes)
+    memory = WorkerMemory.prepare(cfg, model, device, world)
+    dynamic = _dynamic_batches(cfg, config["lengths"], memory.batching_model(), world, free_bytes)
     # Rank 0's call makes the shards (ExactSplitDataConfig) and publishes their plan; the others wait.
     shard = ray.train.get_dataset_shard(TRAIN)
     plan = ShardPlan.from_json(ray.get(config["board"].get.remote(PLAN_KEY)))
@@ -51,17 +54,22 @@ def train_loop_per_worker(config: dict) -> None:
                          seed=cfg["run"]["seed"], budget=dynamic, rank_rows=[plan.rows(r) for r in range(world)])
     if dynamic is not None and dynamic.memory is not None and rank == 0:
         config["board"].put.remote("memory_model", _memory_report(dynamic, loader, baseline_bytes))
+    planning_free = dynamic.free_bytes if dynamic is not None and dynamic.memory is not None else free_bytes
+    memory.plan_checkpointing(model, _planned_batches(cfg, loader, dynamic),
+                              int(planning_free * cfg["data"]["dynamic_batch"]["memory_threshold"]))
+    memory.attach(model)
     timer = StepTimer()
     backoff = OOMBackoff()
     comm = TrainerComm(cfg, rank=rank, total_steps=_total_steps(cfg, len(loader)), timer=timer)
     callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
                               every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json(),
-                              backoff=backoff, comm=comm)
+                              backoff=backoff, comm=comm, memory=memory)
     # Each rank writes its checkpoint pieces to its own local folder; Ray Train merges and stores them.
     local_dir = tempfile.mkdtemp(prefix=f"rapidfire-{cfg['run']['name']}-rank{rank}-")
     trainer = build_sft_trainer(cfg, model, tokenizer, loader, config["sample_rows"], local_dir,
-                                use_cpu=not use_gpu, callbacks=[callback])
+                                use_cpu=not use_gpu, callbacks=[callback], precision=memory.precision)
     trainer.rf_timer = timer
+    trainer.rf_defragment = memory.options.defragment
     trainer.rf_backoff = backoff
     trainer.rf_comm = comm
 
@@ -75,25 +83,36 @@ def train_loop_per_worker(config: dict) -> None:
                                                         cfg["train"]["gradient_accumulation_steps"]))
                 comm.load(ckpt_dir)
                 trainer.train(resume_from_checkpoint=ckpt_dir)
+        if rank == 0:
+            ray.get(config["board"].put.remote("memory", {**memory.report(),
+                                                          "defrag_retries": trainer.rf_defrag_retries}))
     finally:
+        memory.detach()
         shutil.rmtree(local_dir, ignore_errors=True)
 
 
-def _dynamic_batches(cfg: dict, lengths, model, world: int, free_bytes: int) -> DynamicBatches | None:
+def _dynamic_batches(cfg: dict, lengths, memory: MemoryModel, world: int, free_bytes: int) -> DynamicBatches | None:
     """The run's dynamic batching; memory_aware plans with the smallest free memory of all ranks,
     so every rank computes the same lockstep plan."""
     strategy = cfg["data"]["dynamic_batch"]["strategy"]
-    memory = None
     if strategy == "memory_aware":
-        memory = MemoryModel.for_model(model, world_size=world)
         if world > 1:
             least = torch.tensor([free_bytes], dtype=torch.int64)
             torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
             free_bytes = int(least.item())
     try:
-        return DynamicBatches.from_config(cfg, lengths, memory, free_bytes)
+        return DynamicBatches.from_config(cfg, lengths, memory if strategy == "memory_aware" else None, free_bytes)
     except ValueError as e:
         raise RapidfireError(f"data.dynamic_batch: {e}") from None
+
+
+def _planned_batches(cfg: dict, loader: ShardLoader, dynamic: DynamicBatches | None) -> list[tuple[int, int]]:
+    """(rows, padded width) of this rank's batches: the dynamic plan's, or for fixed batches the
+    batch size at the longest possible row."""
+    if dynamic is None:
+        return [(cfg["train"]["per_device_batch_size"], cfg["data"]["max_length"])]
+    lengths = dynamic.lengths[loader.rank_rows]
+    return sorted({(len(b), int(lengths[b].max())) for b in loader.plan})
 
 
 def _memory_report(dynamic: DynamicBatches, loader: ShardLoader, baseline_bytes: int) -> dict:

@@ -23,12 +23,14 @@ Layers under gradient checkpointing save only their input (h per token).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 
 GIB = 2**30
+INT8_BYTES_PER_ELEMENT = 1 + 2 / 32  # int8 saved activations: a byte each and a bf16 scale per 32
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,11 @@ class MemoryModel:
     attention: str = "sdpa"  # sdpa | eager | flash_attention_2
     checkpointed_layers: int = 0
     world_size: int = 1
+    int8_layers: bool = False  # int8 saved activations inside the decoder layers (memory level2)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, world_size: int = 1, checkpointed_layers: int = 0,
-                  act_bytes: int | None = None) -> MemoryModel:
+                  act_bytes: int | None = None, int8_layers: bool = False) -> MemoryModel:
         """`act_bytes`: bytes per saved activation element when autocast computes in a narrower type
         than the weights (2 for bf16/fp16); default: the weights' element size."""
         while not hasattr(model, "config") and hasattr(model, "module"):  # DDP / FSDP wrappers
@@ -63,7 +66,7 @@ class MemoryModel:
                    num_params=sum(p.numel() for p in model.parameters()),
                    param_bytes=torch.finfo(dtype).bits // 8, act_bytes=act_bytes or torch.finfo(dtype).bits // 8,
                    attention=getattr(c, "_attn_implementation", None) or "sdpa",
-                   checkpointed_layers=checkpointed_layers, world_size=world_size)
+                   checkpointed_layers=checkpointed_layers, world_size=world_size, int8_layers=int8_layers)
 
     def static_bytes(self) -> int:
         """Weights + gradients + AdamW moments (+ fp32 master copy) (+ DDP buckets)."""
@@ -83,12 +86,23 @@ class MemoryModel:
             attention += self.heads * width
         return (3 * h + 1) * 2 + attention + 4 * f
 
+    def layer_bytes_per_token(self, width: int) -> int:
+        """Bytes one (not checkpointed) decoder layer saves per token. With int8 layers every saved
+        activation is one byte plus a bf16 scale per block of 32 (`memory/activations.py`), except
+        what stays exact: the attention's log-sum-exp (one fp32 per head) and the norms' variances."""
+        elements = self.layer_elements_per_token(width)
+        if not self.int8_layers:
+            return elements * self.act_bytes
+        exact = self.heads + 2
+        return math.ceil((elements - exact) * INT8_BYTES_PER_ELEMENT) + exact * 4
+
     def activation_bytes_per_token(self, width: int) -> int:
         """Bytes autograd saves for backward, per token of a batch padded to `width`."""
         full = self.num_layers - self.checkpointed_layers
-        layers = full * self.layer_elements_per_token(width) + self.checkpointed_layers * self.hidden
+        checkpointed = self.checkpointed_layers * self.hidden * (1 if self.int8_layers else self.act_bytes)
         masks = 0 if self.attention == "flash_attention_2" else 2 * width
-        return (layers + 3 * self.hidden + 1 + masks) * self.act_bytes + self.vocab * 4 + 16
+        return (full * self.layer_bytes_per_token(width) + checkpointed + (3 * self.hidden + 1 + masks) * self.act_bytes
+                + self.vocab * 4 + 16)
 
     def peak_bytes_per_token(self, width: int) -> int:
         """Saved activations plus what lives only around the loss (logits and their gradient)."""

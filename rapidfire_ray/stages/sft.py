@@ -5,6 +5,7 @@ from datasets import Dataset
 from transformers.trainer_callback import PrinterCallback
 from trl import SFTConfig, SFTTrainer
 
+from ..memory.precision import Precision
 from .base import RayStageMixin
 
 
@@ -12,7 +13,7 @@ class RaySFTTrainer(RayStageMixin, SFTTrainer):
     pass
 
 
-def sft_args(cfg: dict, output_dir: str, use_cpu: bool) -> SFTConfig:
+def sft_args(cfg: dict, output_dir: str, use_cpu: bool, precision: Precision | None = None) -> SFTConfig:
     t, o = cfg["train"], cfg["optimizer"]["params"]
     every = cfg["checkpoint"]["every_steps"]
     return SFTConfig(
@@ -34,9 +35,9 @@ def sft_args(cfg: dict, output_dir: str, use_cpu: bool) -> SFTConfig:
         save_steps=every if every > 0 else 10**9,  # the callback also saves the last step
         seed=cfg["run"]["seed"],
         use_cpu=use_cpu,
-        # TRL defaults to bf16 and gradient checkpointing; precision and memory options are ours.
-        bf16=False,
-        fp16=False,
+        # TRL defaults to bf16 and gradient checkpointing; precision and memory options are ours
+        # (memory/precision.py, memory/checkpointing.py).
+        **(precision.trainer_flags() if precision is not None else {"bf16": False, "fp16": False}),
         activation_checkpointing=False,
         report_to="none",
         disable_tqdm=True,
@@ -51,10 +52,10 @@ def sft_args(cfg: dict, output_dir: str, use_cpu: bool) -> SFTConfig:
 
 
 def build_sft_trainer(cfg: dict, model, tokenizer, loader, sample_rows: list[dict], output_dir: str,
-                      use_cpu: bool, callbacks: list) -> RaySFTTrainer:
+                      use_cpu: bool, callbacks: list, precision: Precision | None = None) -> RaySFTTrainer:
     # TRL inspects one row of `train_dataset` at start-up; the rows it trains on come from `loader`.
     sample = Dataset.from_list(sample_rows)
-    trainer = RaySFTTrainer(model=model, args=sft_args(cfg, output_dir, use_cpu), train_dataset=sample,
+    trainer = RaySFTTrainer(model=model, args=sft_args(cfg, output_dir, use_cpu, precision), train_dataset=sample,
                             processing_class=tokenizer, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # our progress line replaces its per-log prints
     trainer.rf_loader = loader

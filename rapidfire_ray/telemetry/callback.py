@@ -16,7 +16,7 @@ SHARD_PLAN_FILE = "shard_plan.json"
 
 class RayRunCallback(TrainerCallback):
     def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int, shard_plan: dict | None = None,
-                 backoff=None, comm=None):
+                 backoff=None, comm=None, memory=None):
         self.board = board
         self.timer = timer
         self.loader = loader
@@ -26,6 +26,7 @@ class RayRunCallback(TrainerCallback):
         self.backoff = backoff  # the step's out-of-memory splits (data.backoff.OOMBackoff)
         self._oom_seen = 0
         self.comm = comm  # comm.training.TrainerComm: bytes, latency, compression, skipped steps
+        self.memory = memory  # memory.setup.WorkerMemory: saved-activation bytes per step
         self._opt_start = None
         self._counts = (0, 0, 0)
         self._last_loss = None
@@ -68,6 +69,7 @@ class RayRunCallback(TrainerCallback):
             "rank": self.rank, "step": state.global_step, "time": time.time(), "phases": phases,
             "samples": samples, "tokens": tokens, "padded_tokens": padded, "peak_memory_bytes": peak_memory_bytes(),
             "oom_splits": self._new_oom_splits(), **comm,
+            **(self.memory.take_step() if self.memory is not None else {}),
         })
         # Save on schedule and always at the last step (transformers only saves on the schedule).
         if state.global_step >= state.max_steps or (self.every_steps and state.global_step % self.every_steps == 0):

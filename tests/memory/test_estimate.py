@@ -106,3 +106,20 @@ def test_memory_aware_plan_keeps_ranks_in_lockstep_within_min_max():
     plan = DynamicBatches.from_config(memory_cfg(2, 24, 0.5), lengths, mm, free).plan(3)
     assert len({len(p) for p in plan}) == 1
     assert all(2 <= len(b) <= 24 for p in plan for b in p)
+
+
+def test_int8_layer_estimate_matches_what_the_hooks_store():
+    from rapidfire_ray.memory.activations import ActivationStats, Int8Activations, SavedBytesCounter
+
+    model = random_llama(128, 320, 3, 8, 4, 500).train()
+    stats = ActivationStats()
+    handles = [SavedBytesCounter(stats).attach(model), Int8Activations(stats=stats).attach(model)]
+    ids = torch.randint(0, 500, (3, 96))
+    mask = torch.ones_like(ids)
+    mask[0, 48:] = 0
+    model(input_ids=ids, attention_mask=mask, labels=ids)
+    for handle in handles:
+        handle.remove()
+    int8 = MemoryModel.for_model(model, int8_layers=True)
+    estimate = 3 * 96 * int8.activation_bytes_per_token(96)
+    assert abs(estimate - stats.stored_bytes) / stats.stored_bytes < 0.10, (estimate, stats.as_dict())

@@ -1,0 +1,108 @@
+"""The memory layer applied to one training worker: precision, checkpointing plan, int8 saved
+activations, allocator, and what the run summary reports about them.
+
+Order inside a worker (`worker.py`):
+1. `WorkerMemory.prepare(cfg, model, device, world)`: picks the precision (fp8 swaps the decoder's
+   linear layers), reads the level's options, and builds the memory model the dynamic batcher
+   plans with: at level1 and up, batches are planned as if every block were checkpointed (the
+   most the budget can hold), then
+2. `plan_checkpointing(batches, free_bytes)` checkpoints only as many blocks as this rank's
+   largest planned batch needs (`memory/checkpointing.py`), and
+3. `attach()` starts counting saved activations (and compressing them to int8 inside the decoder
+   blocks when the level or `optimizer.params.compression.act` says so).
+Each step's saved-activation bytes go into the step record (`take_step`); `report()` is the
+summary's `memory` section.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import allocator
+from .activations import ActivationStats, Int8Activations, SavedBytesCounter
+from .checkpointing import CheckpointPlan, apply_checkpointing, plan_for_batches
+from .estimate import MemoryModel
+from .levels import MemoryOptions
+from .precision import Hardware, Precision, choose, convert_to_fp8
+
+
+@dataclass
+class WorkerMemory:
+    options: MemoryOptions
+    precision: Precision
+    model_memory: MemoryModel  # no checkpointing: what the checkpoint plan starts from
+    device: torch.device
+    checkpoint: CheckpointPlan | None = None
+    fp8_layers: int = 0
+    stats: ActivationStats = field(default_factory=ActivationStats)
+    _handles: list = field(default_factory=list)
+    _steps: list = field(default_factory=list)  # (raw, stored) saved-activation bytes of each step
+
+    @classmethod
+    def prepare(cls, cfg: dict, model: torch.nn.Module, device: torch.device, world: int) -> WorkerMemory:
+        options = MemoryOptions.from_config(cfg)
+        precision = choose(cfg["train"]["precision"], sum(p.numel() for p in model.parameters()),
+                           Hardware.detect(device))
+        fp8_layers = convert_to_fp8(model) if precision.compute == "fp8" else 0
+        memory = MemoryModel.for_model(model, world_size=world, act_bytes=precision.activation_bytes,
+                                       int8_layers=options.act == "int8")
+        return cls(options=options, precision=precision, model_memory=memory, device=device, fp8_layers=fp8_layers)
+
+    def batching_model(self) -> MemoryModel:
+        """The memory model memory_aware batching plans with: at level1+ every block may be
+        checkpointed, so batches may be as large as that allows (the plan then checkpoints only
+        as many blocks as the batches need)."""
+        if self.options.checkpointing:
+            return replace(self.model_memory, checkpointed_layers=self.model_memory.num_layers)
+        return self.model_memory
+
+    def plan_checkpointing(self, model: torch.nn.Module, batches: list[tuple[int, int]], budget_bytes: int) -> None:
+        """Checkpoint as few decoder blocks as this rank's batches (rows, padded width) need to fit
+        in `budget_bytes`."""
+        if not self.options.checkpointing or not batches:
+            return
+        self.checkpoint = plan_for_batches(self.model_memory, budget_bytes, batches)
+        apply_checkpointing(model, self.checkpoint.indices)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Count what autograd saves (whole model), compressing inside the decoder blocks at int8."""
+        self._handles.append(SavedBytesCounter(self.stats).attach(model))
+        if self.options.act == "int8":
+            self._handles.append(Int8Activations(stats=self.stats).attach(model))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def take_step(self) -> dict:
+        """This step's saved-activation bytes (raw: without compression; stored: held), then reset."""
+        raw, stored = self.stats.raw_bytes, self.stats.stored_bytes
+        self.stats.reset()
+        self._steps.append((raw, stored))
+        return {"saved_activation_bytes": stored, "saved_activation_raw_bytes": raw}
+
+    def describe(self) -> str:
+        parts = [self.options.describe(), self.precision.describe()]
+        if self.checkpoint is not None:
+            parts.append(self.checkpoint.describe())
+        if self.options.defragment:
+            parts.append(allocator.describe(self.device))
+        if self.fp8_layers:
+            parts.append(f"{self.fp8_layers} linear layers in fp8")
+        return "; ".join(parts)
+
+    def report(self) -> dict:
+        steps = self._steps or [(0, 0)]
+        raw, stored = max(r for r, _ in steps), max(s for _, s in steps)
+        return {
+            "level": self.options.level, "options": self.options.to_dict(), "precision": self.precision.to_dict(),
+            "checkpointed_layers": list(self.checkpoint.indices) if self.checkpoint else [],
+            "checkpoint_plan": self.checkpoint.describe() if self.checkpoint else None,
+            "fp8_layers": self.fp8_layers,
+            "saved_activation_bytes": stored, "saved_activation_raw_bytes": raw,
+            "saved_activation_ratio": round(stored / raw, 4) if raw else None,
+            "description": self.describe(),
+        }
+
