@@ -48,7 +48,7 @@ def run(args, name: str, out: str, workers: int = 1, **extra) -> dict:
             "peak_memory_bytes": s["peak_memory_bytes"], "saved_activation_bytes": mem["saved_activation_bytes"],
             "saved_activation_raw_bytes": mem["saved_activation_raw_bytes"],
             "checkpointed_layers": mem["checkpointed_layers"], "checkpoint_plan": mem["checkpoint_plan"],
-            "held_bytes_per_worker": mem.get("held_bytes"), "wall_s": round(time.time() - t0, 1)}
+            "held_bytes_per_worker": mem["held_bytes_per_worker"][0], "wall_s": round(time.time() - t0, 1)}
 
 
 def halfway_threshold(args) -> tuple[float, dict]:

@@ -166,7 +166,10 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             failure_config=FailureConfig(max_failures=0),
             logging_config=LoggingConfig(log_level="WARNING"),
             worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker),
-                                             **(allocator.worker_env() if memory_options.defragment else {})}},
+                                             **(allocator.worker_env() if memory_options.defragment else {}),
+                                             # a CPU worker on a GPU node must not pick DeepSpeed's CUDA side
+                                             **({"DS_ACCELERATOR": "cpu"} if memory_options.zero_stage
+                                                and not cfg.scaling.use_gpu else {})}},
         ),
         datasets={TRAIN: ds},
         dataset_config=ExactSplitDataConfig(shard_by_node=cfg.data.shard_by_node, board=board,
@@ -185,6 +188,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         snapshot = ray.get(board.snapshot.remote())
         memory_model = ray.get(board.get.remote("memory_model"))
         memory = ray.get(board.get.remote("memory"))
+        held = [ray.get(board.get.remote(f"held_bytes/{r}")) for r in range(cfg.scaling.num_workers)]
     finally:
         ray.kill(board)
 
@@ -196,8 +200,8 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
                         model_dir=model_dir, data=report.to_dict(), wall_s=time.time() - t_start)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint is not None else None
     if memory is not None:
-        summary["memory"] = {**{k: v for k, v in memory.items() if k != "description"},
-                             "peak_memory_bytes": summary["peak_memory_bytes"]}
+        summary["memory"] = {**{k: v for k, v in memory.items() if k not in ("description", "held_bytes")},
+                             "held_bytes_per_worker": held, "peak_memory_bytes": summary["peak_memory_bytes"]}
         say(memory["description"])
     if memory_model is not None:
         summary["memory_model"] = memory_check(memory_model, snapshot["steps"])

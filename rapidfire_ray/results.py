@@ -16,12 +16,19 @@ STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json"
                "shard_plan.json")
 
 
+def _not_model(names: list[str]) -> list[str]:
+    """Checkpoint entries that are training state: optimizer, scheduler, RNG, our per-rank state,
+    DeepSpeed's ZeRO partitions (`global_stepN/`, `latest`, its conversion scripts)."""
+    return [n for n in names if n in STATE_FILES or n.startswith(("rng_state", "comm_state_rank", "global_step"))
+            or n in ("latest", "zero_to_fp32.py", "zero_to_torch.py")]
+
+
 def export_model(checkpoint_dir: str, model_dir: str) -> str:
-    """Copy the model and tokenizer files of a transformers checkpoint into `model_dir`."""
+    """Copy the model and tokenizer files of a transformers checkpoint into `model_dir` (under
+    ZeRO-3 the checkpoint's model file holds the gathered weights)."""
     tmp = f"{model_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(checkpoint_dir, tmp,
-                    ignore=lambda _d, names: [n for n in names if n in STATE_FILES or n.startswith("rng_state")])
+    shutil.copytree(checkpoint_dir, tmp, ignore=lambda d, names: _not_model(names) if d == checkpoint_dir else [])
     return publish_dir(tmp, model_dir)
 
 

@@ -23,8 +23,9 @@ from .errors import RapidfireError
 from .memory import free_memory_bytes, memory_in_use_bytes
 from .memory.estimate import MemoryModel
 from .memory.setup import WorkerMemory
-from .models import load_model, load_tokenizer
-from .stages.sft import build_sft_trainer
+from .memory.zero import held_bytes
+from .models import load_model, load_tokenizer, model_num_parameters
+from .stages.sft import build_sft_trainer, sft_args
 from .telemetry.callback import RayRunCallback
 from .telemetry.timing import StepTimer
 
@@ -42,8 +43,14 @@ def train_loop_per_worker(config: dict) -> None:
     free_bytes = free_memory_bytes(device, ctx.get_local_world_size())
     baseline_bytes = memory_in_use_bytes(device)
     tokenizer = load_tokenizer(cfg["model"]["name"])
+    memory = WorkerMemory.prepare(cfg, device, world, model_num_parameters(cfg["model"]["name"]))
+    # Each rank writes its checkpoint pieces to its own local folder; Ray Train merges and stores them.
+    local_dir = tempfile.mkdtemp(prefix=f"rapidfire-{cfg['run']['name']}-rank{rank}-")
+    # The trainer's arguments come before the model: with ZeRO-3 transformers then builds it partitioned.
+    args = sft_args(cfg, local_dir, use_cpu=not use_gpu, precision=memory.precision,
+                    deepspeed=memory.deepspeed_config(ctx.get_local_world_size()))
     model = load_model(cfg["model"]["name"], dtype=torch.float32)
-    memory = WorkerMemory.prepare(cfg, model, device, world)
+    memory.adopt(model)
     dynamic = _dynamic_batches(cfg, config["lengths"], memory.batching_model(), world, free_bytes)
     # Rank 0's call makes the shards (ExactSplitDataConfig) and publishes their plan; the others wait.
     shard = ray.train.get_dataset_shard(TRAIN)
@@ -64,10 +71,7 @@ def train_loop_per_worker(config: dict) -> None:
     callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
                               every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json(),
                               backoff=backoff, comm=comm, memory=memory)
-    # Each rank writes its checkpoint pieces to its own local folder; Ray Train merges and stores them.
-    local_dir = tempfile.mkdtemp(prefix=f"rapidfire-{cfg['run']['name']}-rank{rank}-")
-    trainer = build_sft_trainer(cfg, model, tokenizer, loader, config["sample_rows"], local_dir,
-                                use_cpu=not use_gpu, callbacks=[callback], precision=memory.precision)
+    trainer = build_sft_trainer(args, model, tokenizer, loader, config["sample_rows"], callbacks=[callback])
     trainer.rf_timer = timer
     trainer.rf_defragment = memory.options.defragment
     trainer.rf_backoff = backoff
@@ -83,8 +87,10 @@ def train_loop_per_worker(config: dict) -> None:
                                                         cfg["train"]["gradient_accumulation_steps"]))
                 comm.load(ckpt_dir)
                 trainer.train(resume_from_checkpoint=ckpt_dir)
+        held = held_bytes(trainer.model_wrapped, trainer.optimizer)
+        ray.get(config["board"].put.remote(f"held_bytes/{rank}", held))
         if rank == 0:
-            ray.get(config["board"].put.remote("memory", {**memory.report(),
+            ray.get(config["board"].put.remote("memory", {**memory.report(), "held_bytes": held,
                                                           "defrag_retries": trainer.rf_defrag_retries}))
     finally:
         memory.detach()

@@ -254,15 +254,20 @@ class SavedBytesCounter:
     """Counts (without changing anything) what autograd saves during the whole model's forward, loss
     included: `SavedBytesCounter(stats).attach(model)`. Inside decoder layers with `Int8Activations`
     attached too, the layers' own hooks take over (innermost hooks win) and count what they store,
-    so `stats` holds the step's saved-activation bytes at every memory level."""
+    so `stats` holds the step's saved-activation bytes at every memory level.
 
-    def __init__(self, stats: ActivationStats):
-        self.stats = stats
+    `layers_only`: count inside the decoder layers only. Under DeepSpeed ZeRO-3 the loss head must
+    stay free of saved-tensor hooks: TRL's chunked log-prob loss saves the head's weight and needs
+    back the very Parameter object (it reads DeepSpeed's attributes on it), and a hook hands back
+    a plain tensor."""
+
+    def __init__(self, stats: ActivationStats, *, layers_only: bool = False):
+        self.stats, self.layers_only = stats, layers_only
 
     def attach(self, model: torch.nn.Module) -> AttachedHooks:
         model = unwrap(model)
         packer = _Packer(min_numel=MIN_NUMEL, block=BLOCK, stats=self.stats, exclude=[model], compress=False)
-        return AttachedHooks(model, [model], packer)
+        return AttachedHooks(model, decoder_layers(model) if self.layers_only else [model], packer)
 
 
 class AttachedHooks:

@@ -48,10 +48,11 @@ class MemoryModel:
     checkpointed_layers: int = 0
     world_size: int = 1
     int8_layers: bool = False  # int8 saved activations inside the decoder layers (memory level2)
+    zero_shards: int = 1  # ZeRO-3: weights, gradients and optimizer state split over this many workers
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, world_size: int = 1, checkpointed_layers: int = 0,
-                  act_bytes: int | None = None, int8_layers: bool = False) -> MemoryModel:
+                  act_bytes: int | None = None, int8_layers: bool = False, zero_shards: int = 1) -> MemoryModel:
         """`act_bytes`: bytes per saved activation element when autocast computes in a narrower type
         than the weights (2 for bf16/fp16); default: the weights' element size."""
         while not hasattr(model, "config") and hasattr(model, "module"):  # DDP / FSDP wrappers
@@ -63,17 +64,21 @@ class MemoryModel:
         dtype = next(model.parameters()).dtype
         return cls(num_layers=c.num_hidden_layers, hidden=c.hidden_size, kv_hidden=kv_heads * head_dim,
                    intermediate=c.intermediate_size, heads=heads, vocab=c.vocab_size,
-                   num_params=sum(p.numel() for p in model.parameters()),
+                   num_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
                    param_bytes=torch.finfo(dtype).bits // 8, act_bytes=act_bytes or torch.finfo(dtype).bits // 8,
                    attention=getattr(c, "_attn_implementation", None) or "sdpa",
-                   checkpointed_layers=checkpointed_layers, world_size=world_size, int8_layers=int8_layers)
+                   checkpointed_layers=checkpointed_layers, world_size=world_size, int8_layers=int8_layers,
+                   zero_shards=zero_shards)
 
     def static_bytes(self) -> int:
-        """Weights + gradients + AdamW moments (+ fp32 master copy) (+ DDP buckets)."""
+        """Weights + gradients + AdamW moments (+ fp32 master copy) (+ DDP buckets); under ZeRO-3 each
+        worker holds its share of all that, and no DDP buckets."""
         p, b = self.num_params, self.param_bytes
         total = p * b + p * b + 2 * p * 4
         if b < 4:
             total += p * 4
+        if self.zero_shards > 1:
+            return -(-total // self.zero_shards)
         if self.world_size > 1:
             total += p * b
         return total

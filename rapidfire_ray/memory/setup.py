@@ -2,8 +2,11 @@
 activations, allocator, and what the run summary reports about them.
 
 Order inside a worker (`worker.py`):
-1. `WorkerMemory.prepare(cfg, model, device, world)`: picks the precision (fp8 swaps the decoder's
-   linear layers), reads the level's options, and builds the memory model the dynamic batcher
+1. `WorkerMemory.prepare(cfg, device, world, num_params)`, before the model exists: the level's
+   options and the precision; with ZeRO-3 DeepSpeed is set up first, and `deepspeed_config()`
+   goes into the trainer's arguments, which are built before the model so that transformers
+   builds the model partitioned;
+   `adopt(model)`: fp8 swaps the decoder's linear layers; the memory model the dynamic batcher
    plans with: at level1 and up, batches are planned as if every block were checkpointed (the
    most the budget can hold), then
 2. `plan_checkpointing(batches, free_bytes)` checkpoints only as many blocks as this rank's
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import allocator
+from . import allocator, zero
 from .activations import ActivationStats, Int8Activations, SavedBytesCounter
 from .checkpointing import CheckpointPlan, apply_checkpointing, plan_for_batches
 from .estimate import MemoryModel
@@ -31,8 +34,9 @@ from .precision import Hardware, Precision, choose, convert_to_fp8
 class WorkerMemory:
     options: MemoryOptions
     precision: Precision
-    model_memory: MemoryModel  # no checkpointing: what the checkpoint plan starts from
     device: torch.device
+    world: int
+    model_memory: MemoryModel | None = None  # (after adopt) no checkpointing: what the checkpoint plan starts from
     checkpoint: CheckpointPlan | None = None
     fp8_layers: int = 0
     stats: ActivationStats = field(default_factory=ActivationStats)
@@ -40,14 +44,28 @@ class WorkerMemory:
     _steps: list = field(default_factory=list)  # (raw, stored) saved-activation bytes of each step
 
     @classmethod
-    def prepare(cls, cfg: dict, model: torch.nn.Module, device: torch.device, world: int) -> WorkerMemory:
+    def prepare(cls, cfg: dict, device: torch.device, world: int, num_params: int) -> WorkerMemory:
+        """Before the model is built: the level's options and the precision (from the parameter
+        count of the model's config); with ZeRO-3, DeepSpeed set up so that the model is built
+        partitioned."""
         options = MemoryOptions.from_config(cfg)
-        precision = choose(cfg["train"]["precision"], sum(p.numel() for p in model.parameters()),
-                           Hardware.detect(device))
-        fp8_layers = convert_to_fp8(model) if precision.compute == "fp8" else 0
-        memory = MemoryModel.for_model(model, world_size=world, act_bytes=precision.activation_bytes,
-                                       int8_layers=options.act == "int8")
-        return cls(options=options, precision=precision, model_memory=memory, device=device, fp8_layers=fp8_layers)
+        precision = choose(cfg["train"]["precision"], num_params, Hardware.detect(device))
+        if options.zero_stage:
+            zero.prepare_process(use_gpu=device.type == "cuda")
+        return cls(options=options, precision=precision, device=device, world=world)
+
+    def deepspeed_config(self, local_world_size: int) -> dict | None:
+        if not self.options.zero_stage:
+            return None
+        return zero.deepspeed_config(self.options, local_world_size=local_world_size,
+                                     use_gpu=self.device.type == "cuda")
+
+    def adopt(self, model: torch.nn.Module) -> None:
+        """After the model is built: fp8 layers, and the memory model of this run."""
+        self.fp8_layers = convert_to_fp8(model) if self.precision.compute == "fp8" else 0
+        self.model_memory = MemoryModel.for_model(model, world_size=self.world, act_bytes=self.precision.activation_bytes,
+                                                  int8_layers=self.options.act == "int8",
+                                                  zero_shards=self.world if self.options.zero_stage else 1)
 
     def batching_model(self) -> MemoryModel:
         """The memory model memory_aware batching plans with: at level1+ every block may be
@@ -66,8 +84,9 @@ class WorkerMemory:
         apply_checkpointing(model, self.checkpoint.indices)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Count what autograd saves (whole model), compressing inside the decoder blocks at int8."""
-        self._handles.append(SavedBytesCounter(self.stats).attach(model))
+        """Count what autograd saves (whole model; under ZeRO-3 the decoder blocks only, see
+        SavedBytesCounter), compressing inside the decoder blocks at int8."""
+        self._handles.append(SavedBytesCounter(self.stats, layers_only=bool(self.options.zero_stage)).attach(model))
         if self.options.act == "int8":
             self._handles.append(Int8Activations(stats=self.stats).attach(model))
 

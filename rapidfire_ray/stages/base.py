@@ -105,8 +105,14 @@ class RayStageMixin:
 
     def _rf_split_or_fail(self, oom: _ForwardOutOfMemory, piece: dict) -> None:
         """Lower this rank's budget for batches like `piece` (the caller retries it in halves), or
-        fail with what to change when it is a single row."""
+        fail with what to change when it is a single row, or under DeepSpeed (whose engine steps
+        inside every backward and refuses `no_sync` with ZeRO-3: a batch cannot be split there)."""
         rows, width = piece["input_ids"].shape
+        if self.is_deepspeed_enabled:
+            raise BatchDoesNotFit(
+                f"out of memory on a batch of {rows} x {width} tokens at step {self.state.global_step + 1} under "
+                f"ZeRO-3, where a batch cannot be split and retried ({str(oom.error).splitlines()[0][:160]}); lower "
+                "train.per_device_batch_size, data.max_length or data.dynamic_batch.memory_threshold") from oom.error
         if rows == 1:
             raise BatchDoesNotFit(
                 f"out of memory on a single row of {width} tokens at step {self.state.global_step + 1} "

@@ -13,7 +13,10 @@ class RaySFTTrainer(RayStageMixin, SFTTrainer):
     pass
 
 
-def sft_args(cfg: dict, output_dir: str, use_cpu: bool, precision: Precision | None = None) -> SFTConfig:
+def sft_args(cfg: dict, output_dir: str, use_cpu: bool, precision: Precision | None = None,
+             deepspeed: dict | None = None) -> SFTConfig:
+    """The trainer's arguments. `deepspeed`: a ZeRO config (memory level3); build the arguments
+    before the model then, so that transformers builds the model partitioned."""
     t, o = cfg["train"], cfg["optimizer"]["params"]
     every = cfg["checkpoint"]["every_steps"]
     return SFTConfig(
@@ -48,14 +51,15 @@ def sft_args(cfg: dict, output_dir: str, use_cpu: bool, precision: Precision | N
         remove_unused_columns=False,
         ddp_find_unused_parameters=False,
         save_only_model=False,
+        deepspeed=deepspeed,
     )
 
 
-def build_sft_trainer(cfg: dict, model, tokenizer, loader, sample_rows: list[dict], output_dir: str,
-                      use_cpu: bool, callbacks: list, precision: Precision | None = None) -> RaySFTTrainer:
+def build_sft_trainer(args: SFTConfig, model, tokenizer, loader, sample_rows: list[dict],
+                      callbacks: list) -> RaySFTTrainer:
     # TRL inspects one row of `train_dataset` at start-up; the rows it trains on come from `loader`.
     sample = Dataset.from_list(sample_rows)
-    trainer = RaySFTTrainer(model=model, args=sft_args(cfg, output_dir, use_cpu, precision), train_dataset=sample,
+    trainer = RaySFTTrainer(model=model, args=args, train_dataset=sample,
                             processing_class=tokenizer, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # our progress line replaces its per-log prints
     trainer.rf_loader = loader

@@ -12,7 +12,7 @@ from rapidfire_ray.config import load_config
 from rapidfire_ray.data.backoff import BatchDoesNotFit, split_batch
 from rapidfire_ray.data.loader import collate
 from rapidfire_ray.models import load_model, load_tokenizer
-from rapidfire_ray.stages.sft import build_sft_trainer
+from rapidfire_ray.stages.sft import build_sft_trainer, sft_args
 from rapidfire_ray.telemetry.timing import StepTimer
 from paths import TINY_PROFILE
 
@@ -51,8 +51,8 @@ def one_step(tmp_path, batches: list[dict], grad_accum: int, *, hook=None):
         model.register_forward_pre_hook(hook, with_kwargs=True)
     capture = GradCapture()
     sample = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]
-    trainer = build_sft_trainer(plain, model, load_tokenizer("tiny-random"), batches, sample, str(tmp_path),
-                                use_cpu=True, callbacks=[capture])
+    trainer = build_sft_trainer(sft_args(plain, str(tmp_path), use_cpu=True), model, load_tokenizer("tiny-random"),
+                                batches, sample, callbacks=[capture])
     trainer.rf_timer = StepTimer()
     trainer.train()
     return capture.grads, trainer

@@ -1,0 +1,124 @@
+"""DeepSpeed ZeRO-3 for memory level3 and `scaling.hybrid_parallel`, through the transformers
+Trainer's `deepspeed=` argument (TRL trainers accept it as is).
+
+ZeRO-3 shards parameters, gradients and optimizer state over the workers; each layer's
+parameters are gathered for its forward and backward and released after. On CPU workers
+DeepSpeed picks its CPU accelerator (gloo, the process group Ray Train already started); on GPUs
+NCCL. What this module adds around DeepSpeed 0.19.8:
+- the config (`deepspeed_config`): stage 3, the 16-bit gathered weights saved with each
+  checkpoint so the final model loads with `from_pretrained`, optional optimizer offload to CPU
+  (GPU workers only: on CPU workers the state is in CPU memory already), and for
+  `hybrid_parallel` ZeRO++ hierarchical partitioning (hpZ: a node-local secondary copy of the
+  parameters, so the backward pass gathers them within the node; DeepSpeed 0.19.8 removed MiCS,
+  its replicate-across-nodes sharding);
+- `prepare_process()`: two fixes for CPU workers, applied before the engine starts:
+  DeepSpeed 0.19.8 compares a tensor's device with the *string* 'cpu' when it decides whether
+  the fp32 master partition can share the parameter partition's storage, so on CPU it keeps a
+  second fp32 copy of every partition (a third more memory per worker); and its torch backend
+  compiles a shared-memory all-reduce op for inference on first use (about 50 s with g++), which
+  training never calls;
+- `held_bytes`: what one worker really holds (parameter partitions, gathered persistent
+  parameters, fp32 master copies that are separate tensors, optimizer state), for the summary.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .levels import MemoryOptions
+
+
+def deepspeed_config(options: MemoryOptions, *, local_world_size: int, use_gpu: bool) -> dict:
+    # "auto" sizes: transformers derives them from the model's hidden size (parameters under 10 x hidden
+    # elements, e.g. norms, stay whole on every worker: gathering them would cost more than they weigh).
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+            "stage3_param_persistence_threshold": "auto", "stage3_prefetch_bucket_size": "auto",
+            "reduce_bucket_size": "auto"}
+    if options.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_gpu}
+    if options.hybrid:
+        zero["zero_hpz_partition_size"] = max(1, local_world_size)
+    return {
+        "zero_optimization": zero,
+        # "auto": transformers fills these from the TrainingArguments, so the two never disagree.
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto", "gradient_clipping": "auto",
+        "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+    }
+
+
+def prepare_process(use_gpu: bool) -> None:
+    """The CPU fixes described in the module docstring (idempotent), then DeepSpeed's view of the
+    process group Ray Train started: it must exist before the model is built, so that transformers
+    builds it already partitioned (zero.Init) instead of whole on every worker."""
+    import deepspeed
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    if not getattr(Stage3, "_rapidfire_fp32_sharing", False):
+        create = Stage3._create_fp32_partitions
+
+        def _create_fp32_partitions(self):
+            device = self.device
+            if isinstance(device, str) and not self.offload_optimizer:
+                self.device = torch.device(device)
+            try:
+                return create(self)
+            finally:
+                self.device = device
+
+        Stage3._create_fp32_partitions = _create_fp32_partitions
+        Stage3._rapidfire_fp32_sharing = True
+    # `import deepspeed.comm.torch as m` would bind the torch package itself: import the module by name.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    """Parameter count, also for a model whose parameters ZeRO-3 partitioned at construction."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def _unique_bytes(tensors, seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _state_tensors(optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def held_bytes(model: torch.nn.Module, optimizer) -> dict:
+    """Bytes this worker holds: parameters (its partitions under ZeRO-3), fp32 master copies kept
+    as separate tensors, optimizer state."""
+    while hasattr(model, "module"):
+        model = model.module
+    params = list(model.parameters())
+    seen: set[int] = set()
+    if params and hasattr(params[0], "ds_tensor"):
+        parameters = _unique_bytes([p.ds_tensor for p in params], seen)
+        parameters += _unique_bytes([p.data for p in params], seen)  # persistent (small) parameters, if any
+        parameters += _unique_bytes([getattr(p, "ds_secondary_tensor", None) for p in params], seen)  # hpZ
+    else:
+        parameters = _unique_bytes([p.data for p in params], seen)
+    master, inner = 0, optimizer
+    for _ in range(4):  # HF AcceleratedOptimizer -> DeepSpeed ZeRO optimizer -> torch optimizer
+        flats = getattr(inner, "fp32_partitioned_groups_flat", None)
+        if flats is not None:
+            master = _unique_bytes(flats, seen)
+        if isinstance(inner, torch.optim.Optimizer) and inner.state:
+            break
+        inner = getattr(inner, "optimizer", None)
+        if inner is None:
+            break
+    state = _unique_bytes(_state_tensors(inner), seen) if inner is not None else 0
+    return {"parameters": parameters, "fp32_master": master, "optimizer_state": state + master,
+            "total": parameters + state + master}
