@@ -87,7 +87,8 @@ def train_loop_per_worker(config: dict) -> None:
                                                         cfg["train"]["gradient_accumulation_steps"]))
                 comm.load(ckpt_dir)
                 trainer.train(resume_from_checkpoint=ckpt_dir)
-        held = held_bytes(trainer.model_wrapped, trainer.optimizer)
+        held = {**held_bytes(trainer.model_wrapped, trainer.optimizer), "local_rank": ctx.get_local_rank(),
+                "node_id": ray.get_runtime_context().get_node_id()}
         ray.get(config["board"].put.remote(f"held_bytes/{rank}", held))
         if rank == 0:
             ray.get(config["board"].put.remote("memory", {**memory.report(), "held_bytes": held,

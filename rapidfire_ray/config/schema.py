@@ -42,8 +42,9 @@ class DynamicBatchSection:
     window: int = opt(1024, "dynamic strategies: rows sorted by length together before cutting batches")
     max_padding: float = opt(0.05, "dynamic strategies: padding tokens a batch may hold, as a fraction of its "
                                    "tokens")
-    memory_threshold: float = opt(0.8, "memory_aware: share of the worker's free memory (GPU; on CPU its memory "
-                                       "limit) the step may use, in (0, 1]")
+    memory_threshold: float = opt(0.8, "share of the worker's free memory (GPU; on CPU its memory limit) a step "
+                                       "may use, in (0, 1]: memory_aware batch sizes and memory level1+ "
+                                       "checkpointing plans are sized to it")
 
 
 @dataclass

@@ -57,6 +57,8 @@ class WorkerMemory:
     def deepspeed_config(self, local_world_size: int) -> dict | None:
         if not self.options.zero_stage:
             return None
+        if self.options.hybrid:
+            local_world_size = zero.hybrid_group_size(local_world_size)
         return zero.deepspeed_config(self.options, local_world_size=local_world_size,
                                      use_gpu=self.device.type == "cuda")
 

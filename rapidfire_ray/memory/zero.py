@@ -26,6 +26,7 @@ import importlib
 
 import torch
 
+from ..errors import RapidfireError
 from .levels import MemoryOptions
 
 
@@ -74,9 +75,18 @@ def prepare_process(use_gpu: bool) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
 
 
-def num_parameters(model: torch.nn.Module) -> int:
-    """Parameter count, also for a model whose parameters ZeRO-3 partitioned at construction."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+def hybrid_group_size(local_world_size: int) -> int:
+    """The hpZ group: the workers of one node. Every node must hold as many workers (DeepSpeed's
+    groups are equal blocks of consecutive ranks, and Ray Train numbers the workers node by node)."""
+    import torch.distributed as dist
+
+    sizes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, local_world_size)
+    if len(set(sizes)) != 1:
+        raise RapidfireError(f"scaling.hybrid_parallel: the nodes hold different numbers of workers ({sizes}); "
+                             "use scaling.placement SPREAD with scaling.num_workers a multiple of the node count, "
+                             "or turn hybrid_parallel off")
+    return sizes[0]
 
 
 def _unique_bytes(tensors, seen: set[int]) -> int:
@@ -121,4 +131,5 @@ def held_bytes(model: torch.nn.Module, optimizer) -> dict:
             break
     state = _unique_bytes(_state_tensors(inner), seen) if inner is not None else 0
     return {"parameters": parameters, "fp32_master": master, "optimizer_state": state + master,
-            "total": parameters + state + master}
+            "total": parameters + state + master,
+            "hpz_group_size": getattr(params[0], "ds_secondary_tensor_group_size", None) if params else None}
