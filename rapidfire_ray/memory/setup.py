@@ -58,7 +58,7 @@ class WorkerMemory:
         if not self.options.zero_stage:
             return None
         if self.options.hybrid:
-            local_world_size = zero.hybrid_group_size(local_world_size)
+            local_world_size = zero.hybrid_group_size()
         return zero.deepspeed_config(self.options, local_world_size=local_world_size,
                                      use_gpu=self.device.type == "cuda")
 

@@ -23,6 +23,7 @@ NCCL. What this module adds around DeepSpeed 0.19.8:
 from __future__ import annotations
 
 import importlib
+import itertools
 
 import torch
 
@@ -75,18 +76,22 @@ def prepare_process(use_gpu: bool) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
 
 
-def hybrid_group_size(local_world_size: int) -> int:
-    """The hpZ group: the workers of one node. Every node must hold as many workers (DeepSpeed's
-    groups are equal blocks of consecutive ranks, and Ray Train numbers the workers node by node)."""
+def hybrid_group_size() -> int:
+    """The hpZ group: the workers of one Ray node (by node id, not IP: several nodes may share an
+    address). DeepSpeed's groups are equal blocks of consecutive ranks, so every node must hold as
+    many workers, numbered consecutively (Ray Train numbers workers node by node)."""
+    import ray
     import torch.distributed as dist
 
-    sizes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(sizes, local_world_size)
-    if len(set(sizes)) != 1:
-        raise RapidfireError(f"scaling.hybrid_parallel: the nodes hold different numbers of workers ({sizes}); "
-                             "use scaling.placement SPREAD with scaling.num_workers a multiple of the node count, "
-                             "or turn hybrid_parallel off")
-    return sizes[0]
+    nodes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    runs = [len(list(group)) for _, group in itertools.groupby(nodes)]
+    if len(set(runs)) != 1 or len(runs) != len(set(nodes)):
+        counts = [nodes.count(n) for n in dict.fromkeys(nodes)]
+        raise RapidfireError(f"scaling.hybrid_parallel: workers per node {counts} (in rank order: {runs}) are not "
+                             "equal consecutive blocks; use scaling.placement SPREAD with scaling.num_workers a "
+                             "multiple of the node count, or turn hybrid_parallel off")
+    return runs[0]
 
 
 def _unique_bytes(tensors, seen: set[int]) -> int:
