@@ -65,3 +65,10 @@ def test_level3_shards_parameters_and_optimizer_state_with_deepspeed(level0, tmp
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not any(p.name.startswith("global_step") for p in (tmp_path / "l3" / "model").iterdir())
 
+    # Resume from the ZeRO-3 checkpoint (each worker's partitions, merged by Ray Train).
+    resumed = rapidfire_ray.train(TINY, resume=True, overrides={
+        "run.output_dir": str(tmp_path), "run.name": "l3", "train.max_steps": 6, "checkpoint.every_steps": 0,
+        "memory.optim_level": "level3"})
+    assert resumed["start_step"] == 4 and [h["step"] for h in resumed["loss_history"]] == [5, 6]
+    assert resumed["final_loss"] < s["first_loss"]
+

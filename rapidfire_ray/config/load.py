@@ -225,6 +225,17 @@ def validate(cfg: DictConfig) -> None:
 def _check_communication(cfg: DictConfig) -> None:
     """Which optimizer, codec and communication mode go together."""
     grad, mode, optimizer = cfg.optimizer.params.compression.grad, cfg.communication.mode, cfg.optimizer.type
+    if mode == "parameter_server":
+        if optimizer == "rapidfire_adamw":
+            raise RapidfireError("optimizer.type: rapidfire_adamw exchanges compressed momentum by allreduce, and "
+                                 "communication.mode parameter_server has no allreduce (its shards run AdamW on the "
+                                 "pushed gradients); use optimizer.type adamw with optimizer.params.compression.grad "
+                                 "1bit to compress the pushes and pulls")
+        if grad == "auto":
+            raise RapidfireError("optimizer.params.compression.grad: 'auto' chooses per tensor inside the compressed "
+                                 "allreduce; communication.mode parameter_server uses one codec for every tensor: "
+                                 "use none, fp16, 1bit or 2bit")
+        return
     if optimizer == "rapidfire_adamw":
         if mode != "allreduce":
             raise RapidfireError(f"communication.mode: {_show(mode)} cannot be combined with optimizer.type "
@@ -251,6 +262,11 @@ def _check_memory(cfg: DictConfig) -> None:
     if sharded and workers < 2:
         raise RapidfireError(f"{what} shards parameters across workers, which is meaningless with "
                              "scaling.num_workers 1; use memory.optim_level level2, or 2 or more workers")
+    if sharded and cfg.communication.mode == "parameter_server":
+        raise RapidfireError(f"{what}: ZeRO-3 shards parameters across the workers, and communication.mode "
+                             "parameter_server keeps them on its shard actors instead; choose one: "
+                             "memory.optim_level level2 (or lower) with parameter_server, or communication.mode "
+                             "allreduce with ZeRO-3")
     if sharded and (cfg.communication.mode != "allreduce" or cfg.optimizer.type == "rapidfire_adamw"):
         chosen = (f"communication.mode {cfg.communication.mode}" if cfg.communication.mode != "allreduce"
                   else "optimizer.type rapidfire_adamw")
@@ -260,6 +276,9 @@ def _check_memory(cfg: DictConfig) -> None:
     if mem.offload_optimizer and not sharded:
         raise RapidfireError("memory.offload_optimizer: only used with ZeRO-3 (memory.optim_level level3 or "
                              "scaling.hybrid_parallel); set memory.optim_level=level3 or remove it")
+    if mem.offload_optimizer and not cfg.scaling.use_gpu:
+        raise RapidfireError("memory.offload_optimizer: the workers are CPU workers (scaling.use_gpu false), so "
+                             "their optimizer state is in CPU memory already; remove it")
     precision = cfg.train.precision
     if not cfg.scaling.use_gpu and precision in ("fp16", "fp8"):
         why = "fp8 needs an NVIDIA GPU with compute capability 8.9+ (H100, H200, L40S)" if precision == "fp8" \

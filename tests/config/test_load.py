@@ -87,7 +87,6 @@ def test_bad_values_name_key_value_and_allowed(override, expected):
 @pytest.mark.parametrize("override, later", [
     ("train.stage=reward", "reward/RL"),
     ("train.stage=pipeline", "reward/RL"),
-    ("communication.mode=parameter_server", "parameter-server"),
 ])
 def test_planned_values_are_refused_until_their_feature_exists(override, later):
     msg = error_of(None, [override])
@@ -102,6 +101,7 @@ def test_planned_values_are_refused_until_their_feature_exists(override, later):
     (["memory.optim_level=level3", "optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit"],
      "cannot be combined with optimizer.type rapidfire_adamw"),
     (["memory.offload_optimizer=true"], "memory.offload_optimizer: only used with ZeRO-3"),
+    (["memory.offload_optimizer=true", "memory.optim_level=level3"], "in CPU memory already"),
     (["train.precision=fp8"], "train.precision: fp8 on CPU workers"),
     (["train.precision=fp16"], "train.precision: fp16 on CPU workers"),
     (["optimizer.params.compression.act=int4"], "not one of: none, int8, null"),
@@ -201,7 +201,7 @@ def test_communication_combinations():
         None, ["optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit",
                "communication.mode=allreduce_compressed"])
     assert "leaves rapidfire_adamw nothing to compress" in error_of(None, ["optimizer.type=rapidfire_adamw"])
-    assert "is not available yet" in error_of(None, ["communication.mode=parameter_server"])
+    assert load_config(None, ["communication.mode=parameter_server"]).communication.ps.max_staleness == 2
     assert "communication.on_nonfinite: 'warn' is not one of: skip, fail" in error_of(
         None, ["communication.on_nonfinite=warn"])
 
