@@ -4,7 +4,7 @@ with AdamW over a plain fp32 allreduce and with `rapidfire_adamw` (1-bit momentu
 2% of AdamW's. Also reports the loss gap along the run, the bytes each worker sent per step,
 and step times. Writes bench/results/convergence.json.
 
-    python bench/convergence.py [--steps 40] [--model smollm2-135m] [--lr 5e-5]
+    python bench/convergence.py [--steps 40] [--model smollm2-135m] [--lr 5e-5] [--freeze-step N]
 """
 from __future__ import annotations
 
@@ -39,9 +39,11 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--freeze-step", type=int, default=None,
+                   help="rapidfire_adamw warm-up steps (default: 20%% of --steps, the optimizer's own default)")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "convergence.json"))
     args = p.parse_args()
-    freeze = max(1, args.steps // 5)
+    freeze = args.freeze_step or max(1, args.steps // 5)
     with tempfile.TemporaryDirectory() as out:
         adamw = run(args, "adamw", out)
         onebit = run(args, "rapidfire-adamw", out, **{"optimizer.type": "rapidfire_adamw",
