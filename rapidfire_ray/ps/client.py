@@ -1,6 +1,6 @@
 """`PSClient`: a worker's side of the parameter server.
 
-    shards, partition = launch_shards(model.named_parameters(), 2, codec="1bit", max_staleness=2, ...)
+    shards, partition, pinned = launch_shards(model.named_parameters(), 2, codec="1bit", max_staleness=2, ...)
     client = PSClient(model.named_parameters(), shards, codec="1bit", max_staleness=2)
     client.sync()                       # full pull; admits this worker to its first step
     for batch in data:
@@ -147,6 +147,23 @@ class PSClient:
         self.steps += 1
         return {"staleness": staleness, "wait_s": pulled["wait_s"], "bytes_sent": sent,
                 "bytes_received": pulled["nbytes"], "versions": list(self.versions), "push_s": push_s}
+
+    def pull(self) -> dict:
+        """Pull what changed since the local copy (deltas) and be admitted to the next step: after
+        `finish()`, to take part again (e.g. after waiting at a checkpoint barrier)."""
+        return self._pull_all(full=False)
+
+    def pull_states(self) -> list[dict]:
+        """Every shard's whole state (parameters, optimizer state, version, push counts: what a
+        snapshot holds), with its parameters installed in the local model, so the model equals
+        exactly the state returned (for a checkpoint that holds both). The shards' mirrors of this
+        worker are older than the versions now held, so the next pull is a full one."""
+        states = self._ray.get([s.state_dict.remote() for s in self.shards])
+        for i, st in enumerate(states):
+            self._apply(i, {"kind": "full", "tensors": st["params"], "version": st["version"],
+                            "last_seq": st["last_seq"].get(self.worker_id, 0),
+                            "nbytes": sum(4 * t.numel() for t in st["params"].values())})
+        return states
 
     def finish(self) -> None:
         """End of training for this worker: give back the admission its last pull took, so the

@@ -257,6 +257,7 @@ class ParameterShard:
         n = len(self.admitted)  # others already admitted (worker_id was removed above)
         fits = n <= s and all(self.version - base + n <= s for base, _ in self.admitted.values())
         if ahead or not fits:
+            self.queue_depth_max = max(self.queue_depth_max, len(self.waiting))
             return False
         del self.waiting[worker_id]
         self.admitted[worker_id] = (self.version, now)
@@ -354,6 +355,7 @@ class ParameterShard:
             "staleness_mean": (sum(k * v for k, v in hist.items()) / sum(hist.values())) if hist else 0.0,
             "bound_violations": self.bound_violations, "base_ahead": self.base_ahead,
             "admitted": len(self.admitted), "waiting": len(self.waiting), "refusals": self.refusals,
+            "queue_depth_max": self.queue_depth_max,
             "expired_leases": self.expired_leases,
             "snapshots": self.snapshots, "snapshot_version": self.snapshot_version,
             "snapshot_seconds": self.snapshot_seconds,
@@ -365,6 +367,7 @@ class ParameterShard:
         self.pushes = self.applied = self.duplicates = self.pulls = self.full_pulls = 0
         self.bytes_in = self.bytes_out = 0
         self.bound_violations = self.base_ahead = self.refusals = self.expired_leases = 0
+        self.queue_depth_max = 0  # most workers refused and waiting for admission at once
         self.snapshots = 0
         self.snapshot_version: int | None = None
         self.snapshot_seconds = 0.0
@@ -406,21 +409,27 @@ def launch_shards(named_parameters, num_shards: int, *, snapshot_dir: str | None
                   scheduling_strategy="SPREAD", num_cpus: float = 0.25, name_prefix: str | None = None,
                   **shard_kwargs):
     """Partition `named_parameters` and start one actor per shard, spread across nodes.
-    Returns (handles, partition). `shard_kwargs` go to `ParameterShard` (codec, codec_opts,
-    max_staleness, snapshot_every, optimizer, lr_staleness_scaling, lease_s)."""
+    Returns (handles, partition, pinned). `shard_kwargs` go to `ParameterShard` (codec,
+    codec_opts, max_staleness, snapshot_every, optimizer, lr_staleness_scaling, lease_s).
+
+    Keep `pinned` (object-store references to each shard's initial parameters) as long as the
+    shards may restart: Ray re-runs `__init__` with the same arguments, and arguments that left
+    the object store make the restart fail (ray-project/ray#53727)."""
+    import ray
+
     from .partition import partition_parameters
 
     params = dict(named_parameters)
     partition = partition_parameters(params, num_shards)
-    handles = []
+    handles, pinned = [], []
     for i, names in enumerate(partition):
         opts = {"scheduling_strategy": scheduling_strategy}
         if name_prefix:
             opts["name"] = f"{name_prefix}-{i}"
         cls = remote_shard(num_cpus=num_cpus, **opts)
-        handles.append(cls.remote(i, {n: params[n].detach().to("cpu", torch.float32) for n in names},
-                                  snapshot_dir=snapshot_dir, **shard_kwargs))
-    return handles, partition
+        pinned.append(ray.put({n: params[n].detach().to("cpu", torch.float32) for n in names}))
+        handles.append(cls.remote(i, pinned[-1], snapshot_dir=snapshot_dir, **shard_kwargs))
+    return handles, partition, pinned
 
 
 __all__ = ["LR_SCALINGS", "ParameterShard", "launch_shards", "remote_shard", "snapshot_path"]

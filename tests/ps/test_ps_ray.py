@@ -86,7 +86,7 @@ def test_two_workers_two_shards_async_1bit_bounded_staleness(ray_cluster):
     model = _model()
     eval_data = _data(seed=7)
     initial = _loss(model, eval_data)
-    shards, _ = launch_shards(model.named_parameters(), 2, codec="1bit", max_staleness=1,
+    shards, _, _pinned = launch_shards(model.named_parameters(), 2, codec="1bit", max_staleness=1,
                                       optimizer={"lr": 0.03})
     try:
         # Worker 1 is slowed 3x-ish: worker 0 must wait for it rather than outrun the bound.
@@ -123,7 +123,7 @@ def test_killed_shard_restarts_from_snapshot(ray_cluster, tmp_path):
     model = _model()
     eval_data = _data(seed=7)
     initial = _loss(model, eval_data)
-    shards, _ = launch_shards(model.named_parameters(), 2, codec="none", max_staleness=1,
+    shards, _, _pinned = launch_shards(model.named_parameters(), 2, codec="none", max_staleness=1,
                               optimizer={"lr": 0.03}, snapshot_every=7, snapshot_dir=str(tmp_path))
     killed = threading.Event()
 
