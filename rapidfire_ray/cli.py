@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
     t.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     t.add_argument("--communication", default=None, metavar="MODE",
-                   help="gradient exchange: allreduce or allreduce_compressed (sets communication.mode)")
+                   help="gradient exchange: allreduce, allreduce_compressed or parameter_server (sets communication.mode)")
     t.add_argument("--memory_optim", "--memory-optim", default=None, metavar="LEVEL",
                    help="memory level0..level3 (sets memory.optim_level; see the README's table)")
     t.add_argument("--precision", default=None, metavar="P", help="auto, fp32, fp16, bf16 or fp8 (sets train.precision)")

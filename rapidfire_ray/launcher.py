@@ -25,7 +25,14 @@ from .memory import allocator  # noqa: E402
 from .memory.levels import MemoryOptions  # noqa: E402
 from .models import load_tokenizer  # noqa: E402
 from .atomic import atomic_write_json, atomic_write_jsonl
-from .results import export_model, memory_check, summarise  # noqa: E402
+from .ps.driver import ParameterServer  # noqa: E402
+from .results import (  # noqa: E402
+           export_model,
+           memory_check,
+           parameter_server_line,
+           parameter_server_summary,
+           summarise,
+)
 from .telemetry.callback import SHARD_PLAN_FILE  # noqa: E402
 from .telemetry.progress import ProgressBoard, ProgressPrinter  # noqa: E402
 
@@ -122,9 +129,21 @@ def dynamic_batch_lengths(cfg: DictConfig, ds):
     return lengths
 
 
+def _trainer_class(cfg: DictConfig):
+    """Ray Train with its torch backend (a gloo/NCCL process group per run), or, for the
+    parameter server, without one: its workers exchange nothing but pushes and pulls."""
+    if cfg.communication.mode == "parameter_server":
+        from ray.train import BackendConfig
+        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+        return lambda *a, **kw: DataParallelTrainer(*a, backend_config=BackendConfig(), **kw)
+    from ray.train.torch import TorchTrainer
+
+    return TorchTrainer
+
+
 def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from .worker import train_loop_per_worker
 
@@ -148,14 +167,19 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     lengths = dynamic_batch_lengths(cfg, ds)
     memory_options = MemoryOptions.from_config(cfg)
     plain = OmegaConf.to_container(cfg, resolve=True)
+    ps = None
+    if cfg.communication.mode == "parameter_server":
+        ps = ParameterServer(cfg, run_dir, resume=resume)
+        say(f"parameter server: {ps.num_shards} shard actor(s), codec {cfg.optimizer.params.compression.grad}, "
+            f"max_staleness {cfg.communication.ps.max_staleness}")
     board = ProgressBoard.remote()
     sample_rows = [{"input_ids": [int(t) for t in r["input_ids"]],
                     "labels": [int(t) if m else -100 for t, m in zip(r["input_ids"], r["loss_mask"])]}
                    for r in ds.take(2)]
-    trainer = TorchTrainer(
+    trainer = _trainer_class(cfg)(
         train_loop_per_worker,
         train_loop_config={"cfg": plain, "num_rows": report.rows, "board": board, "sample_rows": sample_rows,
-                           "lengths": lengths},
+                           "lengths": lengths, "ps_shards": ps.handles if ps is not None else None},
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
                                      placement_strategy=cfg.scaling.placement),
@@ -163,7 +187,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             name=cfg.run.name,
             storage_path=os.path.abspath(cfg.run.output_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            failure_config=FailureConfig(max_failures=0),
+            failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
             logging_config=LoggingConfig(log_level="WARNING"),
             worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker),
                                              **(allocator.worker_env() if memory_options.defragment else {}),
@@ -189,8 +213,15 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         memory_model = ray.get(board.get.remote("memory_model"))
         memory = ray.get(board.get.remote("memory"))
         held = [ray.get(board.get.remote(f"held_bytes/{r}")) for r in range(cfg.scaling.num_workers)]
+        if ps is not None:
+            if result.checkpoint is not None:
+                ps.finalize(result.checkpoint.path)
+            ps_clients = [ray.get(board.get.remote(f"ps_client/{r}")) for r in range(cfg.scaling.num_workers)]
+            ps_shards = ps.stats()
     finally:
         ray.kill(board)
+        if ps is not None:
+            ps.stop()
 
     model_dir = None
     if result.checkpoint is not None:
@@ -199,6 +230,10 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=cfg.scaling.num_workers,
                         model_dir=model_dir, data=report.to_dict(), wall_s=time.time() - t_start)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint is not None else None
+    summary["communication"] = {"mode": cfg.communication.mode, **(summary["communication"] or {})}
+    if ps is not None:
+        summary["parameter_server"] = parameter_server_summary(ps_shards, ps_clients, snapshot["steps"])
+        say(parameter_server_line(summary["parameter_server"]))
     if memory is not None:
         summary["memory"] = {**{k: v for k, v in memory.items() if k not in ("description", "held_bytes")},
                              "held_bytes_per_worker": held, "peak_memory_bytes": summary["peak_memory_bytes"]}

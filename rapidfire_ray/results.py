@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import Counter
 
 from .atomic import publish_dir
 from .telemetry.timing import PHASES
@@ -105,3 +106,51 @@ def communication_summary(steps: list[dict]) -> dict | None:
         "comm_latency_p99_s": round(max(r["comm_latency_p99_s"] for r in counted), 6) if p50s else None,
         "skipped_steps": max(r["skipped_steps"] for r in counted),
     }
+
+
+def parameter_server_summary(shards: list[dict], clients: list[dict | None], steps: list[dict]) -> dict:
+    """The `parameter_server` section: per-step push and pull latency (p50/p99 over every
+    worker's steps, as the worker measured them: encode, send, apply on the shards, reply;
+    admission waits are in the pull), bytes each way per step per worker (the delta pulls, not
+    the full pulls at start and checkpoints), admission waits, the shards' counts (pushes,
+    applied, duplicates, updates lost to shard restarts), updates per second per shard, the most
+    workers queued for admission at once, and the staleness histogram over every applied update."""
+    from .comm.stats import _percentile
+
+    counted = [r for r in steps if r.get("ps_push_s") is not None]
+    push = sorted(r["ps_push_s"] for r in counted)
+    pull = sorted(r["ps_pull_s"] for r in counted)
+    hist: Counter[int] = Counter()
+    for st in shards:
+        hist.update(st["staleness_hist"])
+    per_step = max(1, len(counted))
+    workers = [c for c in clients if c is not None]
+    return {
+        "num_shards": len(shards),
+        "push_latency_p50_s": round(_percentile(push, 0.5), 6), "push_latency_p99_s": round(_percentile(push, 0.99), 6),
+        "pull_latency_p50_s": round(_percentile(pull, 0.5), 6), "pull_latency_p99_s": round(_percentile(pull, 0.99), 6),
+        "bytes_pushed_per_step": round(sum(r["ps_bytes_pushed"] for r in counted) / per_step),
+        "bytes_pulled_per_step": round(sum(r["ps_bytes_pulled"] for r in counted) / per_step),
+        "admission_wait_s": round(sum(r["ps_wait_s"] for r in counted), 6),
+        "pushes": sum(st["pushes"] for st in shards),
+        "applied": sum(st["applied"] for st in shards),
+        "duplicates": sum(st["duplicates"] for st in shards),
+        "lost_updates": sum(st["lost_updates"] for st in shards),
+        "restarts": sum(st["restarts"] for st in shards),
+        "bound_violations": sum(st["bound_violations"] for st in shards),
+        "snapshots": sum(st["snapshots"] for st in shards),
+        "updates_per_s_per_shard": [round(st["updates_per_s"], 3) for st in shards],
+        "queue_depth_max": max((st["queue_depth_max"] for st in shards), default=0),
+        "staleness_hist": dict(sorted(hist.items())),
+        "staleness_max": max(hist, default=0),
+        "torch_process_group": any(c["torch_process_group"] for c in workers),
+        "shards": shards,
+        "workers": workers,
+    }
+
+
+def parameter_server_line(ps: dict) -> str:
+    return (f"parameter server: {ps['applied']} updates applied on {ps['num_shards']} shard(s) "
+            f"({ps['pushes']} pushes, {ps['lost_updates']} lost to restarts), staleness max {ps['staleness_max']}, "
+            f"push p50 {ps['push_latency_p50_s'] * 1e3:.1f} ms, pull p50 {ps['pull_latency_p50_s'] * 1e3:.1f} ms, "
+            f"{ps['bytes_pushed_per_step']:,} B pushed / {ps['bytes_pulled_per_step']:,} B pulled per step")

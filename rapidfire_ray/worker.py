@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 
 import ray.train
 import ray.train.torch
@@ -51,7 +52,8 @@ def train_loop_per_worker(config: dict) -> None:
                     deepspeed=memory.deepspeed_config(ctx.get_local_world_size()))
     model = load_model(cfg["model"]["name"], dtype=torch.float32)
     memory.adopt(model)
-    dynamic = _dynamic_batches(cfg, config["lengths"], memory.batching_model(), world, free_bytes)
+    dynamic = _dynamic_batches(cfg, config["lengths"], memory.batching_model(), rank, world, free_bytes,
+                               config["board"])
     # Rank 0's call makes the shards (ExactSplitDataConfig) and publishes their plan; the others wait.
     shard = ray.train.get_dataset_shard(TRAIN)
     plan = ShardPlan.from_json(ray.get(config["board"].get.remote(PLAN_KEY)))
@@ -67,7 +69,8 @@ def train_loop_per_worker(config: dict) -> None:
     memory.attach(model)
     timer = StepTimer()
     backoff = OOMBackoff()
-    comm = TrainerComm(cfg, rank=rank, total_steps=_total_steps(cfg, len(loader)), timer=timer)
+    comm = TrainerComm(cfg, rank=rank, total_steps=_total_steps(cfg, len(loader)), timer=timer,
+                       shards=config.get("ps_shards"))
     callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
                               every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json(),
                               backoff=backoff, comm=comm, memory=memory)
@@ -87,6 +90,10 @@ def train_loop_per_worker(config: dict) -> None:
                                                         cfg["train"]["gradient_accumulation_steps"]))
                 comm.load(ckpt_dir)
                 trainer.train(resume_from_checkpoint=ckpt_dir)
+        ps_report = comm.finish()
+        if ps_report is not None:
+            ray.get(config["board"].put.remote(f"ps_client/{rank}", {
+                **ps_report, "torch_process_group": torch.distributed.is_initialized()}))
         held = {**held_bytes(trainer.model_wrapped, trainer.optimizer), "local_rank": ctx.get_local_rank(),
                 "node_id": ray.get_runtime_context().get_node_id()}
         ray.get(config["board"].put.remote(f"held_bytes/{rank}", held))
@@ -98,19 +105,33 @@ def train_loop_per_worker(config: dict) -> None:
         shutil.rmtree(local_dir, ignore_errors=True)
 
 
-def _dynamic_batches(cfg: dict, lengths, memory: MemoryModel, world: int, free_bytes: int) -> DynamicBatches | None:
+def _dynamic_batches(cfg: dict, lengths, memory: MemoryModel, rank: int, world: int, free_bytes: int,
+                     board) -> DynamicBatches | None:
     """The run's dynamic batching; memory_aware plans with the smallest free memory of all ranks,
-    so every rank computes the same lockstep plan."""
+    so every rank computes the same lockstep plan (through the progress board where there is no
+    process group: communication.mode parameter_server)."""
     strategy = cfg["data"]["dynamic_batch"]["strategy"]
-    if strategy == "memory_aware":
-        if world > 1:
+    if strategy == "memory_aware" and world > 1:
+        if torch.distributed.is_initialized():
             least = torch.tensor([free_bytes], dtype=torch.int64)
             torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
             free_bytes = int(least.item())
+        else:
+            free_bytes = _least_on_board(board, "free_bytes", free_bytes, rank, world)
     try:
         return DynamicBatches.from_config(cfg, lengths, memory if strategy == "memory_aware" else None, free_bytes)
     except ValueError as e:
         raise RapidfireError(f"data.dynamic_batch: {e}") from None
+
+
+def _least_on_board(board, key: str, value: int, rank: int, world: int) -> int:
+    """The smallest of every rank's `value`, exchanged through the progress board."""
+    ray.get(board.put.remote(f"{key}/{rank}", value))
+    while True:
+        values = ray.get([board.get.remote(f"{key}/{r}") for r in range(world)])
+        if all(v is not None for v in values):
+            return min(values)
+        time.sleep(0.05)
 
 
 def _planned_batches(cfg: dict, loader: ShardLoader, dynamic: DynamicBatches | None) -> list[tuple[int, int]]:

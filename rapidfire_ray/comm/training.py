@@ -5,7 +5,9 @@
   policy (`optimizer.params.compression.*`); a NaN/inf gradient zeroes the bucket on every rank
   and the optimizer step is skipped (or the run fails, `communication.on_nonfinite`);
 - `rapidfire_adamw`: the optimizer exchanges compressed momentum itself after its warm-up;
-  DDP's hook averages gradients during the warm-up and sends nothing afterwards.
+  DDP's hook averages gradients during the warm-up and sends nothing afterwards;
+- `parameter_server`: no process group and no DDP; the optimizer step pushes gradients to the
+  shard actors and pulls parameters (`ps.training.ParameterServerComm`, which this delegates to).
 
 `TrainerComm` is built once per worker; the stage mixin registers its hook on the DDP model,
 builds the optimizer through it, and the telemetry callback reads `take()` every step.
@@ -13,6 +15,7 @@ Error-feedback state (per rank) is saved with every checkpoint and restored on r
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
@@ -48,7 +51,7 @@ def counted_allreduce_hook(comm: TrainerComm, bucket):  # no annotations: DDP ch
 
 
 class TrainerComm:
-    def __init__(self, cfg: dict, *, rank: int, total_steps: int, timer=None):
+    def __init__(self, cfg: dict, *, rank: int, total_steps: int, timer=None, shards: list | None = None):
         self.mode = cfg["communication"]["mode"]
         self.optimizer_type = cfg["optimizer"]["type"]
         self.on_nonfinite = cfg["communication"]["on_nonfinite"]
@@ -65,12 +68,20 @@ class TrainerComm:
         self._pending_optimizer_state: dict | None = None
         self._skipped_before = 0
         self._auto_counts: dict | None = None
+        self.ps = None
+        if self.mode == "parameter_server":
+            from ..ps.training import ParameterServerComm
+
+            self.ps = ParameterServerComm(cfg, shards, rank=rank, stats=self.stats)
 
     # --- optimizer --------------------------------------------------------------------------
 
     def build_optimizer(self, named_groups: list[dict], args) -> torch.optim.Optimizer | None:
         """The optimizer for `optimizer.type: rapidfire_adamw` (None: the trainer's default AdamW).
         `named_groups`: param groups with `params` and `param_names`."""
+        if self.ps is not None:
+            self.optimizer = self.ps.build_optimizer(named_groups, args.learning_rate)
+            return self.optimizer
         if self.optimizer_type != "rapidfire_adamw":
             return None
         from ..optim import RapidfireAdamW, default_freeze_step
@@ -102,7 +113,8 @@ class TrainerComm:
         optimizer.step = guarded_step
 
     def after_optimizer_step(self) -> None:
-        """rapidfire_adamw skips non-finite steps itself; count them (or fail)."""
+        """rapidfire_adamw and the parameter server skip non-finite steps themselves; count them
+        (or fail)."""
         opt = self.optimizer
         if opt is not None and opt.skipped_steps > self._skipped_before:
             self._skipped_before = opt.skipped_steps
@@ -136,6 +148,25 @@ class TrainerComm:
         else:
             ddp_model.register_comm_hook(self, counted_allreduce_hook)
 
+    # --- the run's course (parameter server) -----------------------------------------------
+
+    def begin(self) -> None:
+        """Training starts (or resumes): the parameter server's workers take the shards' parameters."""
+        if self.ps is not None:
+            self.ps.begin()
+
+    def before_save(self) -> None:
+        if self.ps is not None:
+            self.ps.before_save()
+
+    def around_report(self, last: bool):
+        """Context for `ray.train.report`, which waits for every worker."""
+        return self.ps.around_report(last) if self.ps is not None else contextlib.nullcontext()
+
+    def finish(self) -> dict | None:
+        """This worker trained its last step; the parameter server client's report."""
+        return self.ps.finish() if self.ps is not None else None
+
     # --- telemetry and checkpoints ----------------------------------------------------------
 
     def take(self) -> dict:
@@ -146,7 +177,10 @@ class TrainerComm:
         # exchanges momentum inside the optimizer step (compressed stage), and its warm-up hook
         # allreduces during backward.
         out["untimed_comm_phase"] = None
-        if self.optimizer is not None:
+        if self.ps is not None:
+            out["untimed_comm_phase"] = "optimizer"  # push and pull are the optimizer step
+            out.update(self.ps.take())
+        elif self.optimizer is not None:
             out["untimed_comm_phase"] = "optimizer" if self.optimizer.steps > self.optimizer.freeze_step else "backward"
         out["skipped_steps"] = self.skipped_steps
         if self.hook_state is not None and self.hook_state.policy.grad == "auto":
@@ -160,9 +194,12 @@ class TrainerComm:
     def state_file(self, checkpoint_dir: str) -> str:
         return os.path.join(checkpoint_dir, f"comm_state_rank{self.rank}.pt")
 
-    def save(self, checkpoint_dir: str) -> None:
+    def save(self, checkpoint_dir: str) -> str:
         """This rank's error-feedback state: the compressed hook's, and rapidfire_adamw's (the
-        trainer's optimizer.pt holds rank 0's only; every rank's buffers differ)."""
+        trainer's optimizer.pt holds rank 0's only; every rank's buffers differ); the parameter
+        server client's. Returns the folder this rank hands to Ray Train."""
+        if self.ps is not None:
+            return self.ps.save(checkpoint_dir, os.path.basename(self.state_file(checkpoint_dir)))
         state = {}
         if self.hook_state is not None:
             state["hook"] = self.hook_state.state_dict()
@@ -170,6 +207,7 @@ class TrainerComm:
             state["optimizer"] = self.optimizer.allreduce_state_dict()
         if state:
             torch.save(state, self.state_file(checkpoint_dir))
+        return checkpoint_dir
 
     def load(self, checkpoint_dir: str) -> None:
         """Restore this rank's error feedback; applied as the hook and optimizer come to exist."""
@@ -177,6 +215,8 @@ class TrainerComm:
         if not os.path.exists(path):
             return
         state = torch.load(path, weights_only=True)
+        if "ps_client" in state and self.ps is not None:
+            self.ps.load(state)
         if "hook" in state:
             if self.hook_state is not None:
                 self.hook_state.load_state_dict(state["hook"])

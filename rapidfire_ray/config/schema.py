@@ -78,8 +78,9 @@ class TrainSection:
 
 @dataclass
 class CompressionSection:
-    grad: str = opt("none", "gradient codec on the wire (allreduce_compressed), or rapidfire_adamw's momentum "
-                            "codec; auto picks 1bit or 2bit per tensor from its gradient statistics")
+    grad: str = opt("none", "gradient codec on the wire (allreduce_compressed; parameter_server: pushes and "
+                            "pulled deltas), or rapidfire_adamw's momentum codec; auto picks 1bit or 2bit per tensor "
+                            "from its gradient statistics")
     act: Optional[str] = opt(None, "compression of activations saved for backward inside the decoder blocks "
                                    "(null: int8 from memory.optim_level level2 up, else none)")
     keep_fp16: List[str] = opt(["*o_proj*", "*out_proj*", "*c_proj*", "*norm*", "*ln_*", "*.bias"],
@@ -116,13 +117,29 @@ class ScalingSection:
                                  "where possible)")
     hybrid_parallel: bool = opt(False, "shard parameters within a node, replicate them across nodes (for models "
                                        "above 20B; see the README for the supported combinations)")
+    max_failures: int = opt(0, "worker-group restarts Ray Train may make after a worker dies (each resumes from "
+                               "the latest checkpoint); 0 ends the run at the first failure")
+
+
+@dataclass
+class ParameterServerSection:
+    num_shards: Optional[int] = opt(None, "parameter_server: shard actors, each owning a byte-balanced part of the "
+                                          "parameters (null: one per node)")
+    max_staleness: int = opt(2, "parameter_server: most updates (versions) a shard may apply between the version a "
+                                "worker's gradient was computed on and that gradient's own update")
+    snapshot_every: int = opt(100, "parameter_server: a shard writes its state to the run folder every N updates "
+                                   "it applies, and restores it after a crash (0: never)")
+    lr_staleness_scaling: str = opt("none", "parameter_server: inverse divides an update's learning rate by "
+                                            "1 + its staleness")
 
 
 @dataclass
 class CommunicationSection:
-    mode: str = opt("allreduce", "how gradients are exchanged between workers: plain DDP allreduce, or a DDP "
-                                 "hook exchanging optimizer.params.compression.grad bytes")
+    mode: str = opt("allreduce", "how gradients are exchanged between workers: plain DDP allreduce, a DDP hook "
+                                 "exchanging optimizer.params.compression.grad bytes, or parameter-server actors "
+                                 "(asynchronous, no allreduce)")
     on_nonfinite: str = opt("skip", "a NaN/inf gradient: skip the step on every worker (counted, named), or fail")
+    ps: ParameterServerSection = field(default_factory=ParameterServerSection)
 
 
 @dataclass
@@ -164,7 +181,8 @@ CHOICES = {
     "optimizer.type": (("adamw", "rapidfire_adamw"), ()),
     "optimizer.params.compression.grad": (("none", "fp16", "1bit", "2bit", "auto"), ()),
     "optimizer.params.compression.act": (("none", "int8", None), ()),
-    "communication.mode": (("allreduce", "allreduce_compressed"), ("parameter_server",)),
+    "communication.mode": (("allreduce", "allreduce_compressed", "parameter_server"), ()),
+    "communication.ps.lr_staleness_scaling": (("none", "inverse"), ()),
     "communication.on_nonfinite": (("skip", "fail"), ()),
     "scaling.placement": (("PACK", "SPREAD"), ()),
     "memory.optim_level": (("level0", "level1", "level2", "level3"), ()),
@@ -196,6 +214,10 @@ RANGES = {
     "optimizer.params.compression.auto_interval": (1, None),
     "scaling.num_workers": (1, None),
     "scaling.cpus_per_worker": (1, None),
+    "scaling.max_failures": (0, None),
+    "communication.ps.num_shards": (1, None),
+    "communication.ps.max_staleness": (0, None),
+    "communication.ps.snapshot_every": (0, None),
     "checkpoint.every_steps": (0, None),
     "checkpoint.keep": (1, None),
 }
@@ -203,7 +225,6 @@ RANGES = {
 # Which later part of the project brings each planned feature (for the refusal message).
 PLANNED_IN = {
     "train.stage": "the reward/RL stages release",
-    "communication.mode": "the parameter-server release",
 }
 
 

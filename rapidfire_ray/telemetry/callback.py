@@ -2,6 +2,7 @@
 step records to the progress board, checkpoints to Ray Train, saves on schedule."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -32,6 +33,8 @@ class RayRunCallback(TrainerCallback):
         self._last_loss = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if self.comm is not None:
+            self.comm.begin()
         self.timer.take()  # start the first step's clock here, after model and optimizer set-up
         self.loader.wait_s = 0.0
         self._counts = self._loader_counts()
@@ -74,6 +77,8 @@ class RayRunCallback(TrainerCallback):
         # Save on schedule and always at the last step (transformers only saves on the schedule).
         if state.global_step >= state.max_steps or (self.every_steps and state.global_step % self.every_steps == 0):
             control.should_save = True
+        if control.should_save and self.comm is not None:
+            self.comm.before_save()
         return control
 
     def _new_oom_splits(self) -> int:
@@ -97,8 +102,10 @@ class RayRunCallback(TrainerCallback):
         if self.rank == 0 and self.shard_plan is not None and os.path.isdir(path):
             atomic_write_json(os.path.join(path, SHARD_PLAN_FILE), self.shard_plan)
         if self.comm is not None and os.path.isdir(path):
-            self.comm.save(path)  # this rank's error-feedback state
+            path = self.comm.save(path)  # this rank's error-feedback state
         checkpoint = ray.train.Checkpoint.from_directory(path) if os.path.isdir(path) else None
-        ray.train.report({"step": state.global_step, "loss": self._last_loss}, checkpoint=checkpoint,
-                         checkpoint_dir_name=f"checkpoint-{state.global_step:08d}",
-                         delete_local_checkpoint_after_upload=True)
+        with self.comm.around_report(state.global_step >= state.max_steps) if self.comm is not None \
+                else contextlib.nullcontext():
+            ray.train.report({"step": state.global_step, "loss": self._last_loss}, checkpoint=checkpoint,
+                             checkpoint_dir_name=f"checkpoint-{state.global_step:08d}",
+                             delete_local_checkpoint_after_upload=True)
