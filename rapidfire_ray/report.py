@@ -68,9 +68,12 @@ def per_step(steps: list[dict]) -> list[dict]:
 
 def plot_run(summary: dict, steps: list[dict]):
     """A matplotlib Figure (Agg canvas, no pyplot state) with the panels in TITLES, in order."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise RapidfireError("rapidfire report needs matplotlib: pip install matplotlib") from None
 
     rows = per_step(steps)
     xs = [r["step"] for r in rows]
