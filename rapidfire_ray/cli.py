@@ -40,10 +40,21 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--profile", default=None, help="path to a train_config.yaml (default: the built-in defaults)")
     c.add_argument("--reference", action="store_true", help="print every key with its default and meaning (Markdown)")
     c.add_argument("overrides", nargs="*", metavar="key=value")
+
+    # Commands with their own parsers (`rapidfire doctor --help`): `main` hands them everything after
+    # their name; listed here for `rapidfire --help`.
+    for name, text in (("doctor", "check a profile, a sample of its data and the cluster before a run"),
+                       ("report", "draw a finished run's loss, throughput and step-time breakdown (PNG)")):
+        sub.add_parser(name, help=text, add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("doctor", "report"):
+        from importlib import import_module
+
+        return import_module(f".{argv[0]}", __package__).main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         from .config import load_config, to_yaml

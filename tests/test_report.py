@@ -94,3 +94,10 @@ def test_report_without_communication_section(run_dir):
     _, steps = report.load_run(run_dir)
     lines = report.describe(summary, steps)
     assert not any(line.startswith("communication") for line in lines)
+
+
+def test_the_rapidfire_command_dispatches_report(tmp_path, capsys):
+    from rapidfire_ray.cli import main
+
+    assert main(["report", str(tmp_path / "no-such-run")]) == 2
+    assert capsys.readouterr().err.strip().startswith("rapidfire: error:")
