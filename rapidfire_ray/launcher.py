@@ -212,6 +212,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         snapshot = ray.get(board.snapshot.remote())
         memory_model = ray.get(board.get.remote("memory_model"))
         memory = ray.get(board.get.remote("memory"))
+        guard = ray.get(board.get.remote("guard"))
         held = [ray.get(board.get.remote(f"held_bytes/{r}")) for r in range(cfg.scaling.num_workers)]
         if ps is not None:
             if result.checkpoint is not None:
@@ -234,6 +235,8 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     if ps is not None:
         summary["parameter_server"] = parameter_server_summary(ps_shards, ps_clients, snapshot["steps"])
         say(parameter_server_line(summary["parameter_server"]))
+    if guard is not None:
+        summary["nonfinite_skipped_steps"] = guard["skipped_steps"]
     if memory is not None:
         summary["memory"] = {**{k: v for k, v in memory.items() if k not in ("description", "held_bytes")},
                              "held_bytes_per_worker": held, "peak_memory_bytes": summary["peak_memory_bytes"]}

@@ -26,6 +26,7 @@ from .memory.estimate import MemoryModel
 from .memory.setup import WorkerMemory
 from .memory.zero import held_bytes
 from .models import load_model, load_tokenizer, model_num_parameters
+from .stages.guard import NanGuard
 from .stages.sft import build_sft_trainer, sft_args
 from .telemetry.callback import RayRunCallback
 from .telemetry.timing import StepTimer
@@ -79,6 +80,7 @@ def train_loop_per_worker(config: dict) -> None:
     trainer.rf_defragment = memory.options.defragment
     trainer.rf_backoff = backoff
     trainer.rf_comm = comm
+    trainer.rf_guard = NanGuard.for_run(cfg, model, tokenizer.pad_token_id, rank)
 
     checkpoint = ray.train.get_checkpoint()
     try:
@@ -98,6 +100,7 @@ def train_loop_per_worker(config: dict) -> None:
                 "node_id": ray.get_runtime_context().get_node_id()}
         ray.get(config["board"].put.remote(f"held_bytes/{rank}", held))
         if rank == 0:
+            ray.get(config["board"].put.remote("guard", {"skipped_steps": trainer.rf_guard.skipped_steps}))
             ray.get(config["board"].put.remote("memory", {**memory.report(), "held_bytes": held,
                                                           "defrag_retries": trainer.rf_defrag_retries}))
     finally:

@@ -151,6 +151,12 @@ class MemorySection:
 
 
 @dataclass
+class GuardSection:
+    max_consecutive: int = opt(3, "NaN guard: steps in a row with a non-finite loss or gradient (each skipped, "
+                                  "parameters unchanged) before the run stops with a diagnosis")
+
+
+@dataclass
 class CheckpointSection:
     every_steps: int = opt(50, "save a Ray Train checkpoint every N optimizer steps (0: only at the end)")
     keep: int = opt(2, "newest checkpoints kept on storage")
@@ -167,6 +173,7 @@ class RapidfireConfig:
     communication: CommunicationSection = field(default_factory=CommunicationSection)
     memory: MemorySection = field(default_factory=MemorySection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    guard: GuardSection = field(default_factory=GuardSection)
 
 
 # key -> (values that work now, values planned for a later part of the project)
@@ -219,6 +226,7 @@ RANGES = {
     "communication.ps.max_staleness": (0, None),
     "communication.ps.snapshot_every": (0, None),
     "checkpoint.every_steps": (0, None),
+    "guard.max_consecutive": (1, None),
     "checkpoint.keep": (1, None),
 }
 

@@ -29,6 +29,7 @@ class RayStageMixin:
     rf_timer: StepTimer | None = None
     rf_backoff: OOMBackoff | None = None
     rf_comm = None  # comm.training.TrainerComm: gradient exchange, optimizer, accounting
+    rf_guard = None  # stages.guard.NanGuard: skip non-finite steps, stop with a diagnosis
     rf_defragment = False  # memory level2+: on OOM free cached blocks and retry once before splitting
     rf_defrag_retries = 0
     _rf_hooked = False
@@ -59,9 +60,20 @@ class RayStageMixin:
         optimizer = super().create_optimizer(model)
         if self.rf_comm is not None:
             self.rf_comm.guard(optimizer)
+        if self.rf_guard is not None:
+            comm = self.rf_comm
+
+            def skips_elsewhere() -> int:
+                # The compressed hook counts its skips on TrainerComm; rapidfire_adamw and the
+                # parameter server count theirs on the optimizer during the step.
+                return (comm.skipped_steps + getattr(comm.optimizer, "skipped_steps", 0)) if comm is not None else 0
+
+            self.rf_guard.wrap(optimizer, self.model, lambda: self.state.global_step + 1, skips_elsewhere)
         return optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.rf_guard is not None:
+            self.rf_guard.see_batch(inputs)
         if not self._rf_hooked and isinstance(model, DistributedDataParallel):
             if self.rf_comm is not None:
                 self.rf_comm.register(model)
