@@ -6,11 +6,21 @@ batches (`fixed`: `per_device_batch_size` rows, reshuffled every epoch with a se
 `token_budget`, `memory_aware`: the plan of `batching.py`), keeps every rank at the same number of batches per
 epoch (so DDP ranks stay in lockstep while every row is used exactly once), can skip the
 batches already trained on when a run resumes, and measures how long the step waited for data.
+
+Prefetch: a background thread prepares the next batches (reads the rows, cuts and pads them)
+while the step computes, keeping `prefetch_depth` batches ready; the depth is read before every
+batch, so a depth changed during the run (`set_prefetch_depth`, by `rapidfire monitor`'s
+rules) applies from the next batch on. Depth 0 prepares each batch only when the step asks for
+it. `RAPIDFIRE_DATA_DELAY_S` (seconds, in the workers' environment) makes every batch that much
+slower to prepare: an injected slow data source, for tests and demonstrations.
 """
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -19,9 +29,12 @@ import torch
 
 from ..memory.estimate import GIB, MemoryModel
 from .batching import RowsFit, cut_batches, lockstep, token_budget_rows, window_bounds, window_of
+from .preference import collate_pairs, is_pair_row
 from .sharding import shard_bounds
 
 SHUFFLE_BUFFER_ROWS = 1024
+DATA_DELAY_ENV = "RAPIDFIRE_DATA_DELAY_S"
+_END = object()
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,8 @@ class DynamicBatches:
     def token_budget(cls, cfg, lengths) -> DynamicBatches:
         """`cfg` as DictConfig or dict."""
         db = cfg["data"]["dynamic_batch"]
-        max_tokens = db["max_tokens"] or cfg["train"]["per_device_batch_size"] * cfg["data"]["max_length"]
+        sides = 2 if cfg["data"].get("format") == "preference" else 1  # a preference pair is two rows of a batch
+        max_tokens = db["max_tokens"] or sides * cfg["train"]["per_device_batch_size"] * cfg["data"]["max_length"]
         return cls(lengths=np.asarray(lengths), rows_fit=token_budget_rows(max_tokens, db["max"]), window=db["window"],
                    max_padding=db["max_padding"], description=f"{max_tokens} padded tokens per batch")
 
@@ -169,6 +183,11 @@ class ShardLoader:
         for b in self.shard.iter_batches(batch_size=self.batch_size, batch_format="numpy",
                                          prefetch_batches=self.prefetch_depth, drop_last=False):
             masks, sources = b.get("loss_mask"), b.get("source")  # optional for users' own datasets
+            if "chosen_ids" in b:  # preference pairs (data/preference.py)
+                for i in range(len(b["chosen_ids"])):
+                    yield {"chosen_ids": b["chosen_ids"][i], "rejected_ids": b["rejected_ids"][i],
+                           "source": None if sources is None else sources[i]}
+                continue
             for i in range(len(b["input_ids"])):
                 yield {"input_ids": b["input_ids"][i], "loss_mask": None if masks is None else masks[i],
                        "source": None if sources is None else sources[i]}
@@ -210,26 +229,109 @@ class ShardLoader:
             for j in np.random.default_rng([self.seed, self.epoch, w]).permutation(len(batches)):
                 yield [buffer[i - base] for i in batches[j]]
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        skip, self._skip = self._skip, 0
+    def set_prefetch_depth(self, depth: int) -> None:
+        """Batches to keep ready from the next batch on (the run's `data.prefetch_depth` knob)."""
+        self.prefetch_depth = max(0, int(depth))
+
+    def _prepared(self, skip: int) -> Iterator[tuple[dict[str, Any], int]]:
+        """(collated batch, rows) for every batch of the epoch after the first `skip`: the
+        producer side of the prefetch."""
         batches = self._fixed_batches() if self.budget is None else self._budget_batches()
+        delay = float(os.environ.get(DATA_DELAY_ENV) or 0.0)
         index = 0
-        while True:
-            t0 = time.perf_counter()
-            chunk = next(batches, None)
-            if chunk is None:
-                break
+        for chunk in batches:
             index += 1
             if index <= skip:
                 continue
-            size = len(chunk)
-            batch = collate(chunk, self.pad_id)
+            if delay > 0:
+                time.sleep(delay)  # an injected slow source (tests): a real wait, seen as data wait
+            batch = collate_pairs(chunk, self.pad_id) if is_pair_row(chunk[0]) else collate(chunk, self.pad_id)
             if self.with_sources:
                 batch["sources"] = [str(r["source"]) for r in chunk]
-            self.wait_s += time.perf_counter() - t0
-            self.rows_yielded += size
-            self.tokens_yielded += int(batch["attention_mask"].sum())
-            self.padded_tokens_yielded += batch["attention_mask"].numel()
-            yield batch
+            yield batch, len(chunk)
         if index != self.num_batches:
             raise RuntimeError(f"data shard gave {index} batches, {self.num_batches} were planned")
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        skip, self._skip = self._skip, 0
+        ahead = _Ahead(self._prepared(skip), lambda: self.prefetch_depth)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = ahead.get()
+                if item is _END:
+                    break
+                batch, size = item
+                self.wait_s += time.perf_counter() - t0
+                self.rows_yielded += size
+                self.tokens_yielded += int(batch["attention_mask"].sum())
+                self.padded_tokens_yielded += batch["attention_mask"].numel()
+                yield batch
+        finally:
+            ahead.close()
+
+
+class _Ahead:
+    """Runs a generator in a background thread and keeps up to `depth()` of its items ready.
+    With depth 0 it makes an item only while the consumer waits for one. An exception in the
+    generator is raised to the consumer."""
+
+    def __init__(self, source: Iterator, depth):
+        self._source = source
+        self._depth = depth
+        self._items: deque = deque()
+        self._cond = threading.Condition()
+        self._waiting = False
+        self._done = False
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rapidfire-prefetch", daemon=True)
+        self._thread.start()
+
+    def _wanted(self) -> bool:
+        return len(self._items) < self._depth() or (self._waiting and not self._items)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopped and not self._wanted():
+                        self._cond.wait(0.05)  # wakes up for a changed depth too
+                    if self._stopped:
+                        return
+                item = next(self._source, _END)
+                with self._cond:
+                    if item is _END:
+                        self._done = True
+                    else:
+                        self._items.append(item)
+                    self._cond.notify_all()
+                if item is _END:
+                    return
+        except BaseException as e:  # handed to the consumer
+            with self._cond:
+                self._error = e
+                self._done = True
+                self._cond.notify_all()
+
+    def get(self):
+        """The next item, or `_END` after the last."""
+        with self._cond:
+            self._waiting = True
+            self._cond.notify_all()
+            while not self._items and not self._done:
+                self._cond.wait()
+            self._waiting = False
+            if self._items:
+                item = self._items.popleft()
+                self._cond.notify_all()
+                return item
+            if self._error is not None:
+                raise self._error
+            return _END
+
+    def close(self) -> None:
+        """Stop making items (the consumer stopped early, or finished)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
