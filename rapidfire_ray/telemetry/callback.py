@@ -17,7 +17,7 @@ SHARD_PLAN_FILE = "shard_plan.json"
 
 class RayRunCallback(TrainerCallback):
     def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int, shard_plan: dict | None = None,
-                 backoff=None, comm=None, memory=None):
+                 backoff=None, comm=None, memory=None, metrics=None, knobs=None, memory_limit_bytes=None):
         self.board = board
         self.timer = timer
         self.loader = loader
@@ -31,6 +31,9 @@ class RayRunCallback(TrainerCallback):
         self._opt_start = None
         self._counts = (0, 0, 0)
         self._last_loss = None
+        self.metrics = metrics  # telemetry.metrics.WorkerMetrics: Ray's metrics endpoint
+        self.knobs = knobs  # telemetry.control.KnobClient: live knob changes, applied at step boundaries
+        self.memory_limit_bytes = memory_limit_bytes
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.comm is not None:
@@ -40,6 +43,8 @@ class RayRunCallback(TrainerCallback):
         self._counts = self._loader_counts()
         if self.rank == 0:
             self.board.set_plan.remote(state.max_steps, state.global_step)
+        if self.knobs is not None:
+            self.knobs.begin(state.global_step, self.memory_limit_bytes)
 
     def _loader_counts(self) -> tuple[int, int, int]:
         loader = self.loader
@@ -68,12 +73,18 @@ class RayRunCallback(TrainerCallback):
         counts = self._loader_counts()
         samples, tokens, padded = (now - before for now, before in zip(counts, self._counts))
         self._counts = counts
-        self.board.push_step.remote({
+        record = {
             "rank": self.rank, "step": state.global_step, "time": time.time(), "phases": phases,
             "samples": samples, "tokens": tokens, "padded_tokens": padded, "peak_memory_bytes": peak_memory_bytes(),
             "oom_splits": self._new_oom_splits(), **comm,
             **(self.memory.take_step() if self.memory is not None else {}),
-        })
+            **({"knobs": dict(self.knobs.values)} if self.knobs is not None else {}),
+        }
+        self.board.push_step.remote(record)
+        if self.metrics is not None:
+            self.metrics.step(record)
+        if self.knobs is not None:
+            self.knobs.step_end(state.global_step)  # changes due after this step apply to the next one
         # Save on schedule and always at the last step (transformers only saves on the schedule).
         if state.global_step >= state.max_steps or (self.every_steps and state.global_step % self.every_steps == 0):
             control.should_save = True
@@ -89,11 +100,15 @@ class RayRunCallback(TrainerCallback):
         return new
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.metrics is not None and logs:
+            self.metrics.log(logs)
         if self.rank == 0 and logs and "loss" in logs:
             self._last_loss = float(logs["loss"])
             self.board.push_log.remote({"step": state.global_step, "loss": self._last_loss,
                                         "learning_rate": logs.get("learning_rate"),
-                                        "grad_norm": logs.get("grad_norm")})
+                                        "grad_norm": logs.get("grad_norm"),
+                                        # the reward stage's training pairs (TRL's RewardTrainer logs them)
+                                        **{k: float(logs[k]) for k in ("accuracy", "margin") if k in logs}})
 
     def on_save(self, args, state, control, **kwargs):
         # Every rank reports its own checkpoint folder (rank 0: model, optimizer, state; others:

@@ -33,6 +33,22 @@ class ProgressBoard:
     def snapshot(self) -> dict:
         return {"plan": self.plan, "steps": self.steps, "logs": self.logs}
 
+    def since(self, index: int) -> list[dict]:
+        """Step records from position `index` on (the control actor reads them incrementally)."""
+        return self.steps[index:]
+
+    def latest(self) -> dict:
+        """What `rapidfire monitor` shows: the plan, every rank's newest step record, the newest
+        logged loss, and the step count."""
+        newest: dict[int, dict] = {}
+        for r in reversed(self.steps):
+            newest.setdefault(r["rank"], r)
+            if len(newest) >= 1024 or r["step"] < max(x["step"] for x in newest.values()) - 64:
+                break
+        return {"plan": self.plan, "workers": [newest[k] for k in sorted(newest)],
+                "log": self.logs[-1] if self.logs else None, "records": len(self.steps),
+                "recent": self.steps[-256:]}
+
     def line(self) -> str | None:
         return progress_line(self.snapshot())
 
