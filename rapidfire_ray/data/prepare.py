@@ -16,6 +16,7 @@ import ray.data
 from ray.data.expressions import col
 
 from ..errors import RapidfireError
+from .preference import NAME as PREFERENCE, PAIR_COLUMNS, PreferenceTokenizer
 from .sources import list_data_files, parse_file
 from .tokenize import SFTTokenizer
 
@@ -69,10 +70,13 @@ def _count_tokens(batch: dict) -> dict:
     return batch
 
 
-def build_sft_dataset(cfg, num_cpus: int = 1):
-    """Return (materialised dataset of token rows, DataReport). Raises RapidfireError on bad data."""
+def build_sft_dataset(cfg, num_cpus: int = 1, path: str | None = None, key: str = "data.path"):
+    """Return (materialised dataset of token rows, DataReport). Raises RapidfireError on bad data.
+    `path`: another file of the same format (e.g. `data.eval_path`, named `key` in errors).
+    Preference pairs (`data.format: preference`) become `chosen_ids`/`rejected_ids` rows."""
     d = cfg.data
-    files = list_data_files(d.path)
+    path = d.path if path is None else path
+    files = list_data_files(path)
     report = DataReport(files=files)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
@@ -88,17 +92,21 @@ def build_sft_dataset(cfg, num_cpus: int = 1):
         report.bad_examples = [{"source": r["source"], "error": r["error"]} for r in bad.take(BAD_ROW_EXAMPLES)]
         if d.on_bad_row == "fail":
             first = report.bad_examples[0]
-            raise RapidfireError(f"data.path: bad row {first['source']}: {first['error']} ({report.bad_rows} bad "
+            raise RapidfireError(f"{key}: bad row {first['source']}: {first['error']} ({report.bad_rows} bad "
                                  "row(s) in all); fix the row or set data.on_bad_row=skip to skip bad rows")
 
     # Spread the rows over enough blocks that tokenisation runs on several CPUs.
     blocks = max(1, min(4 * num_cpus, report.rows_read // 512 + 1))
-    tokens = (records.filter(expr=col("error") == "")
-              .repartition(blocks)
-              .map_batches(SFTTokenizer, fn_constructor_args=(cfg.model.name, d.format, d.max_length),
-                           batch_size=256, concurrency=(1, max(1, min(num_cpus, blocks))))
-              .map_batches(_count_tokens, batch_size=256)
-              .materialize())
+    good = records.filter(expr=col("error") == "").repartition(blocks)
+    concurrency = (1, max(1, min(num_cpus, blocks)))
+    if d.format == PREFERENCE:  # the pair tokenizer counts its own tokens
+        tokens = good.map_batches(PreferenceTokenizer, fn_constructor_args=(cfg.model.name, d.max_length),
+                                  batch_size=256, concurrency=concurrency).materialize()
+    else:
+        tokens = (good.map_batches(SFTTokenizer, fn_constructor_args=(cfg.model.name, d.format, d.max_length),
+                                   batch_size=256, concurrency=concurrency)
+                  .map_batches(_count_tokens, batch_size=256)
+                  .materialize())
     if d.overlong == "drop":
         report.dropped_overlong = int(tokens.sum("truncated") or 0)
         tokens = tokens.filter(expr=col("truncated") == 0).materialize()
@@ -110,13 +118,15 @@ def build_sft_dataset(cfg, num_cpus: int = 1):
     report.rows = ds.count()
     report.empty_after_truncation = good_rows - report.rows
     if report.rows == 0:
-        raise RapidfireError(f"data.path '{d.path}': no usable rows ({report.rows_read} read, {report.bad_rows} bad"
+        raise RapidfireError(f"{key} '{path}': no usable rows ({report.rows_read} read, {report.bad_rows} bad"
                              f", {report.empty_after_truncation} with nothing to train on); check data.format "
                              f"('{d.format}') matches the file")
-    report.tokens = int(ds.sum("num_tokens"))
+    # (a pair's num_tokens is its padded size in a batch; its real tokens are all trained on)
+    report.tokens = int(ds.sum("num_trained" if d.format == PREFERENCE else "num_tokens"))
     report.trained_tokens = int(ds.sum("num_trained"))
     report.truncated_rows = int(ds.sum("truncated"))
-    ds = ds.select_columns(["input_ids", "loss_mask", "source", "num_tokens"]).materialize()
+    columns = [*PAIR_COLUMNS] if d.format == PREFERENCE else ["input_ids", "loss_mask"]
+    ds = ds.select_columns([*columns, "source", "num_tokens"]).materialize()
     return ds, report
 
 

@@ -4,6 +4,7 @@ and Hugging Face hub ids."""
 from rapidfire_ray.models.registry import (
     BUILTIN_MODELS,
     load_model,
+    load_reward_model,
     load_tokenizer,
     model_num_parameters,
     save_pretrained_atomic,
@@ -12,6 +13,7 @@ from rapidfire_ray.models.registry import (
 __all__ = [
     "BUILTIN_MODELS",
     "load_model",
+    "load_reward_model",
     "load_tokenizer",
     "model_num_parameters",
     "save_pretrained_atomic",

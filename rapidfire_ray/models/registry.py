@@ -132,6 +132,26 @@ def load_model(name: str, dtype: torch.dtype = torch.float32):
     return _load(name, lambda n: AutoModelForCausalLM.from_pretrained(n, dtype=dtype))
 
 
+def load_reward_model(name: str, dtype: torch.dtype = torch.float32, pad_token_id: int | None = None):
+    """A reward model for `name`: its weights under a sequence-classification head with one output
+    (AutoModelForSequenceClassification, num_labels=1; the head is new unless `name` is a reward
+    model already). `pad_token_id` goes into the config: the head reads the last non-pad token."""
+    from transformers import AutoModelForSequenceClassification
+
+    def load(path: str):
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+
+    if name == tiny.NAME:
+        model = tiny.build_reward_model(dtype)
+    elif name == smollm2.NAME:
+        model = load(smollm2.ensure_cache())
+    else:
+        model = _load(name, load)
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return model
+
+
 def model_num_parameters(name: str) -> int:
     """The number of parameters, from the config alone (the model is built on the meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM

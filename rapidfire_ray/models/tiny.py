@@ -103,6 +103,22 @@ def build_model(dtype: torch.dtype = torch.float32):
     return model
 
 
+def build_reward_model(dtype: torch.dtype = torch.float32):
+    """The tiny model's decoder (the same seeded weights as `build_model`) under a one-output
+    sequence-classification head (`score`, seeded too): a reward model to train."""
+    from transformers import LlamaForSequenceClassification
+
+    config = build_config(_vocab_size())
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = LlamaForSequenceClassification(config)
+    model.model.load_state_dict(build_model(torch.float32).model.state_dict())
+    model = model.to(dtype)
+    model.eval()
+    return model
+
+
 def num_parameters() -> int:
     from transformers import LlamaForCausalLM
 
