@@ -42,7 +42,9 @@ def assert_model_is_server_state(run_dir, checkpoint, num_shards):
     assert all(torch.equal(weights[n], t) for n, t in server.items())
 
 
-def test_two_workers_two_shards_1bit_train_with_bounded_staleness_and_resume(ray_cluster, tmp_path):
+def test_two_workers_two_shards_1bit_train_with_bounded_staleness_and_resume(ray_cluster, tmp_path, monkeypatch):
+    # Rank 1 is a straggler (its compute takes 3x as long): the bound must still hold.
+    monkeypatch.setenv("RAPIDFIRE_INJECT_SLOW_RANKS", "1:3")
     s = train(tmp_path, "ps", "communication.ps.num_shards=2", "communication.ps.max_staleness=1",
               "optimizer.params.compression.grad=1bit", "communication.ps.snapshot_every=4")
     assert s["final_loss"] < s["first_loss"], s["loss_history"]
@@ -62,12 +64,16 @@ def test_two_workers_two_shards_1bit_train_with_bounded_staleness_and_resume(ray
     fp32 = 4 * sum(t.numel() for t in load_file(str(tmp_path / "ps" / "model" / "model.safetensors")).values())
     assert 0 < ps["bytes_pushed_per_step"] < fp32 / 10 and 0 < ps["bytes_pulled_per_step"] < fp32 / 10
     records = [r for r in steps_of(tmp_path, "ps") if r["ps_push_s"] is not None]
+    compute = {rank: sorted(r["phases"]["forward"] + r["phases"]["backward"] for r in records if r["rank"] == rank)
+               for rank in (0, 1)}
+    assert compute[1][4] > 1.8 * compute[0][4], compute  # the injected straggler really was slower
     assert len(records) == 16 and all(r["ps_staleness"] <= 1 and r["ps_bytes_pushed"] > 0 for r in records)
     ckpt = s["checkpoint"]
     assert sorted(f for f in os.listdir(ckpt) if f.startswith(("comm_state", "ps_shard"))) == [
         "comm_state_rank0.pt", "comm_state_rank1.pt", "ps_shard_0.pt", "ps_shard_1.pt"]
     assert_model_is_server_state(tmp_path / "ps", ckpt, 2)
 
+    monkeypatch.delenv("RAPIDFIRE_INJECT_SLOW_RANKS")
     resumed = train(tmp_path, "ps", "communication.ps.num_shards=2", "communication.ps.max_staleness=1",
                     "optimizer.params.compression.grad=1bit", "communication.ps.snapshot_every=4",
                     "train.max_steps=10", resume=True)

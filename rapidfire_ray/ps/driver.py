@@ -32,6 +32,9 @@ from .shard import launch_shards, snapshot_path
 from .training import codec_options, shard_state_files
 
 
+SHARD_CPUS = 0.25  # reserved per shard actor: it decodes, steps AdamW and encodes as updates arrive
+
+
 def _atomic_torch_save(obj, path: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(obj, tmp)
@@ -55,7 +58,7 @@ class ParameterServer:
         if resume:
             self._seed_snapshots(run_dir)
         self.handles, self.partition, self._pinned = launch_shards(
-            named.items(), self.num_shards, snapshot_dir=self.snapshot_dir,
+            named.items(), self.num_shards, snapshot_dir=self.snapshot_dir, num_cpus=SHARD_CPUS,
             name_prefix=f"rapidfire-ps-{cfg.run.name}", codec=cfg.optimizer.params.compression.grad,
             codec_opts=codec_options(OmegaConf.to_container(cfg, resolve=True)), max_staleness=ps.max_staleness,
             snapshot_every=ps.snapshot_every, lr_staleness_scaling=ps.lr_staleness_scaling,

@@ -51,20 +51,16 @@ class StepTimer:
         with self._lock:
             self._comm.append((start, end))
 
+    def comm_seconds_since(self, t0: float) -> float:
+        """Seconds of communication in flight since `t0` (a `time.perf_counter()` value), so far."""
+        with self._lock:
+            spans = sorted((max(s, t0), e) for s, e in self._comm if e > t0)
+        return _union_length(spans)
+
     def _comm_seconds(self) -> float:
         with self._lock:
             spans, self._comm = sorted(self._comm), []
-        total, cur_s, cur_e = 0.0, None, None
-        for s, e in spans:  # length of the union of in-flight intervals
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    total += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            total += cur_e - cur_s
-        return total
+        return _union_length(spans)
 
     def take(self) -> dict[str, float]:
         """Seconds per phase for the step that just ended, plus `step` (wall) and `other`."""
@@ -104,3 +100,18 @@ def peak_memory_bytes() -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of sorted (start, end) intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total

@@ -1,0 +1,43 @@
+"""Injected faults for benchmarks and tests, switched on by environment variables of the driver
+(passed on to the training workers); off unless set.
+
+RAPIDFIRE_INJECT_SLOW_RANKS="RANK:FACTOR[,RANK:FACTOR...]": those ranks' forward and backward
+take FACTOR times as long (after computing, the worker sleeps FACTOR - 1 times the compute it
+just did, communication left out): a straggler, as a slower or busier accelerator would make
+one. Used by `bench/parameter_server.py` (straggler) and the staleness tests.
+"""
+from __future__ import annotations
+
+import os
+
+from .errors import RapidfireError
+
+SLOW_RANKS = "RAPIDFIRE_INJECT_SLOW_RANKS"
+ENV_KEYS = (SLOW_RANKS,)
+
+
+def parse_slow_ranks(text: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        rank, sep, factor = item.partition(":")
+        try:
+            r, f = int(rank), float(factor)
+        except ValueError:
+            r, f = -1, 0.0
+        if not sep or r < 0 or f < 1.0:
+            raise RapidfireError(f"{SLOW_RANKS}={text!r}: '{item}' is not RANK:FACTOR with RANK >= 0 and "
+                                 "FACTOR >= 1 (e.g. 1:3 slows rank 1 three times)")
+        out[r] = f
+    return out
+
+
+def slowdown_for_rank(rank: int, environ=os.environ) -> float:
+    """The compute slowdown factor injected for `rank` (1.0: none)."""
+    return parse_slow_ranks(environ.get(SLOW_RANKS, "")).get(rank, 1.0)
+
+
+def worker_env(environ=os.environ) -> dict[str, str]:
+    """The fault-injection variables set on the driver, checked, for the workers' runtime env."""
+    if SLOW_RANKS in environ:
+        parse_slow_ranks(environ[SLOW_RANKS])
+    return {k: environ[k] for k in ENV_KEYS if k in environ}
