@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--precision", default=None, metavar="P", help="auto, fp32, fp16, bf16 or fp8 (sets train.precision)")
     t.add_argument("--hybrid_parallel", "--hybrid-parallel", action="store_true",
                    help="shard parameters within a node, replicate across nodes (sets scaling.hybrid_parallel)")
+    t.add_argument("--adjust_parameters", "--adjust-parameters", default=None, choices=("auto", "off"),
+                   help="auto: rules change live knobs (monitor.allowed), each change logged; off: only watch "
+                        "(sets monitor.adjust)")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="override any config key, e.g. train.max_steps=10")
 
     c = sub.add_parser("config", help="print the resolved config as YAML")
@@ -44,14 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     # Commands with their own parsers (`rapidfire doctor --help`): `main` hands them everything after
     # their name; listed here for `rapidfire --help`.
     for name, text in (("doctor", "check a profile, a sample of its data and the cluster before a run"),
-                       ("report", "draw a finished run's loss, throughput and step-time breakdown (PNG)")):
+                       ("report", "draw a finished run's loss, throughput and step-time breakdown (PNG)"),
+                       ("monitor", "watch a running run's metrics live; change its knobs (--adjust_parameters)")):
         sub.add_parser(name, help=text, add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("doctor", "report"):
+    if argv and argv[0] in ("doctor", "report", "monitor"):
         from importlib import import_module
 
         return import_module(f".{argv[0]}", __package__).main(argv[1:])
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
         overrides = list(args.overrides)
         flags = {"communication": "communication.mode", "memory_optim": "memory.optim_level",
-                 "precision": "train.precision"}
+                 "precision": "train.precision", "adjust_parameters": "monitor.adjust"}
         overrides += [f"{key}={getattr(args, flag)}" for flag, key in flags.items() if getattr(args, flag, None)]
         if getattr(args, "hybrid_parallel", False):
             overrides.append("scaling.hybrid_parallel=true")
@@ -91,4 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entrypoint() -> None:
+    from .secrets import redact_std_streams
+
+    redact_std_streams()  # secret env values (HF_TOKEN, WANDB_API_KEY, ...) are masked in all output
     sys.exit(main())

@@ -6,6 +6,9 @@ import sys
 
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray exports ray.util.metrics every metrics_report_interval_ms (default 10 s; 1 s is its floor):
+# the metrics tests scrape them during a short run.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
 import pytest  # noqa: E402
 

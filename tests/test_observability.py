@@ -1,0 +1,272 @@
+"""Observability (issue 9, items 1-3): metrics on Ray's endpoint, `rapidfire monitor`, live
+knobs changed by rules at a step boundary.
+
+One real tiny-random run (2 workers) with an injected slow data source (RAPIDFIRE_DATA_DELAY_S:
+the loader really sleeps per batch) and `data.prefetch_depth 0`, `monitor.adjust auto`. While it
+trains, the test runs `rapidfire monitor --once --json` in another process and scrapes the
+metrics export port over HTTP; afterwards it checks the change the prefetch rule made.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from paths import REPO, TINY_PROFILE
+from rapidfire_ray.config import load_config
+from rapidfire_ray.errors import RapidfireError
+from rapidfire_ray.telemetry.metrics import METRICS, exported_names, reference_markdown
+from rapidfire_ray.telemetry.rules import RuleState, Settings, evaluate, window
+
+RUN = "observe-live"
+
+
+def record(rank, step, *, step_s=1.0, wait_s=0.0, oom=0, padded=400, tokens=300, peak=100, p99=0.0):
+    return {"rank": rank, "step": step, "phases": {"step": step_s, "data_wait": wait_s}, "oom_splits": oom,
+            "padded_tokens": padded, "tokens": tokens, "peak_memory_bytes": peak, "comm_latency_p99_s": p99}
+
+
+def records(steps, **kw):
+    return [record(rank, s, **kw) for s in steps for rank in (0, 1)]
+
+
+KNOBS = {"data.prefetch_depth": 2, "memory.max_forward_tokens": None}
+
+
+# --- rules (pure functions over step records) -----------------------------------------------
+
+def test_window_is_the_last_steps_every_rank_reported():
+    recs = records(range(1, 6)) + [record(0, 6)]
+    assert sorted({r["step"] for r in window(recs, 2)}) == [4, 5]
+
+
+def test_data_wait_above_threshold_doubles_prefetch_and_below_does_nothing():
+    s = Settings(adjust="auto", window_steps=2)
+    out = evaluate(records([1, 2], wait_s=0.2), KNOBS, s, RuleState())
+    assert [(p.knob, p.new) for p in out] == [("data.prefetch_depth", 4)]
+    assert "data wait 20.0% of step time > 5%" in out[0].reason
+    assert evaluate(records([1, 2], wait_s=0.04), KNOBS, s, RuleState()) == []
+    # capped, and at least 1 from 0
+    assert evaluate(records([1], wait_s=0.5), {**KNOBS, "data.prefetch_depth": 0}, s, RuleState())[0].new == 1
+    assert evaluate(records([1], wait_s=0.5), {**KNOBS, "data.prefetch_depth": 16}, s, RuleState()) == []
+
+
+def test_rules_never_touch_knobs_that_are_not_allowed():
+    s = Settings(adjust="auto", allowed=("memory.max_forward_tokens",), window_steps=2)
+    assert evaluate(records([1, 2], wait_s=0.5), KNOBS, s, RuleState()) == []
+
+
+def test_a_changed_knob_waits_a_full_window_with_its_new_value():
+    s = Settings(adjust="auto", window_steps=2)
+    state = RuleState(quiet_until={"data.prefetch_depth": 3})
+    assert evaluate(records([2, 3, 4], wait_s=0.5), KNOBS, s, state) == []  # window 3-4 starts at the change
+    assert evaluate(records([3, 4, 5], wait_s=0.5), KNOBS, s, state)[0].knob == "data.prefetch_depth"
+
+
+def test_oom_splits_lower_max_forward_tokens_and_headroom_raises_it_back():
+    s = Settings(adjust="auto", window_steps=2, oom_splits=2)
+    out = evaluate(records([1, 2], oom=1, padded=1000), KNOBS, s, RuleState())
+    assert [(p.knob, p.new) for p in out] == [("memory.max_forward_tokens", 500)]
+    knobs = {**KNOBS, "memory.max_forward_tokens": 300}
+    limits = {0: 1000, 1: 1000}
+    up = evaluate(records([5, 6], peak=400, padded=1000), knobs, s, RuleState(), limits)
+    assert [(p.knob, p.new) for p in up] == [("memory.max_forward_tokens", 600)]
+    back = evaluate(records([5, 6], peak=400, padded=1000), {**KNOBS, "memory.max_forward_tokens": 600}, s,
+                    RuleState(), limits)
+    assert [(p.knob, p.new) for p in back] == [("memory.max_forward_tokens", None)]  # whole batches again
+    assert evaluate(records([5, 6], peak=600, padded=1000), knobs, s, RuleState(), limits) == []  # no headroom
+
+
+def test_comm_latency_gives_advice_once_naming_the_stronger_codec():
+    s = Settings(adjust="auto", window_steps=2, comm_latency_p99_s=0.5)
+    state = RuleState()
+    out = evaluate(records([1, 2], p99=0.9), KNOBS, s, state, codec="fp16", mode="allreduce_compressed")
+    assert len(out) == 1 and out[0].advice and "compression.grad 2bit" in out[0].reason
+    assert evaluate(records([3, 4], p99=0.9), KNOBS, s, state, codec="fp16") == []
+    ps = evaluate(records([1, 2], p99=0.9), KNOBS, s, RuleState(), mode="parameter_server")
+    assert ps[0].knob == "communication.ps.max_staleness"
+
+
+def test_monitor_config_is_validated():
+    cfg = load_config(TINY_PROFILE, ["monitor.adjust=off", "monitor.allowed=[data.prefetch_depth]"])
+    assert cfg.monitor.adjust == "off" and list(cfg.monitor.allowed) == ["data.prefetch_depth"]
+    with pytest.raises(RapidfireError, match="monitor.allowed: 'optimizer.params.compression.grad' is not a knob"):
+        load_config(TINY_PROFILE, ["monitor.allowed=[optimizer.params.compression.grad]"])
+    with pytest.raises(RapidfireError, match="monitor.adjust"):
+        load_config(TINY_PROFILE, ["monitor.adjust=sometimes"])
+
+
+# --- documentation and dashboard match what is exported -------------------------------------
+
+def test_readme_metrics_table_is_the_catalogue():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert reference_markdown() in readme
+
+
+def test_grafana_dashboard_uses_only_exported_metrics():
+    with open(os.path.join(REPO, "cluster", "grafana_rapidfire.json"), encoding="utf-8") as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 10
+    used = {name for e in exprs for name in re.findall(r"\bray_rapidfire_[a-z0-9_]+", e)}
+    assert used and used <= exported_names(), used - exported_names()
+    # every worker metric of the catalogue has a panel
+    assert {m.exported for m in METRICS if m.kind != "histogram"} - used <= {"ray_rapidfire_adjustments_total"}
+
+
+# --- a live run ------------------------------------------------------------------------------
+
+def _scrape() -> str:
+    import ray
+
+    text = []
+    for node in ray.nodes():
+        if node["Alive"] and node.get("MetricsExportPort"):
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            text.append(urllib.request.urlopen(url, timeout=10).read().decode())
+    return "\n".join(text)
+
+
+def _monitor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rapidfire_ray", "monitor", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def live(ray_cluster, tmp_path_factory):
+    """Run a 2-worker job in a thread; while it trains, take a monitor snapshot from another
+    process and scrape the metrics endpoint until our metrics show up."""
+    import ray
+
+    from rapidfire_ray import train
+    from rapidfire_ray.telemetry.control import NAMESPACE, control_name
+
+    out = tmp_path_factory.mktemp("observe")
+    result: dict = {}
+
+    def go():
+        try:
+            result["summary"] = train(TINY_PROFILE, overrides={
+                "run.name": RUN, "run.output_dir": str(out), "train.max_steps": 40, "data.prefetch_depth": 0,
+                "checkpoint.every_steps": 0, "monitor.adjust": "auto", "monitor.window_steps": 2,
+                "monitor.interval_s": 0.5})
+        except BaseException as e:  # handed to the tests
+            result["error"] = e
+
+    os.environ["RAPIDFIRE_DATA_DELAY_S"] = "0.25"
+    thread = threading.Thread(target=go, daemon=True)
+    try:
+        thread.start()
+        deadline = time.time() + 400
+        board = None
+        while thread.is_alive() and time.time() < deadline:  # until a step is on the board
+            try:
+                control = ray.get_actor(control_name(RUN), namespace=NAMESPACE)
+                board = board or ray.get(control.info.remote())["board"]
+                if ray.get(board.latest.remote())["workers"]:
+                    break
+            except (ValueError, ray.exceptions.RayActorError):
+                pass
+            time.sleep(0.5)
+        address = ray.get_runtime_context().gcs_address
+        result["monitor"] = _monitor("--address", address, "--run", RUN, "--once", "--json")
+        result["monitor_all"] = _monitor("--address", address, "--once", "--metrics", "throughput,comm_latency")
+        scraped = ""
+        while time.time() < deadline:
+            scraped = _scrape()
+            if "ray_rapidfire_loss{" in scraped and "ray_rapidfire_step_phase_seconds{" in scraped:
+                break
+            time.sleep(1)
+        result["scraped"] = scraped
+        thread.join(timeout=600)
+    finally:
+        os.environ.pop("RAPIDFIRE_DATA_DELAY_S", None)
+    if "error" in result:
+        raise result["error"]
+    result["run_dir"] = os.path.join(str(out), RUN)
+    return result
+
+
+def test_monitor_once_json_returns_live_values(live):
+    proc = live["monitor"]
+    assert proc.returncode == 0, proc.stderr
+    snap = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert snap["run"] == RUN and snap["total_steps"] == 40
+    assert 1 <= snap["step"] < 40  # taken while the run trained
+    assert [w["rank"] for w in snap["workers"]] == [0, 1]
+    for w in snap["workers"]:
+        assert w["tokens_per_s"] > 0 and w["step_s"] > 0 and w["batch_rows"] >= 1
+        assert w["data_wait_s"] >= 0 and w["knobs"]["data.prefetch_depth"] >= 0
+    assert snap["adjust"] == "auto" and "data.prefetch_depth" in snap["knobs"]
+    table = live["monitor_all"]
+    assert table.returncode == 0, table.stderr
+    assert f"run {RUN}" in table.stdout and "tokens_per_s" in table.stdout and "comm_latency_p99_s" in table.stdout
+
+
+def test_monitor_without_a_running_run_fails_in_one_line(live):
+    from rapidfire_ray.monitor import main
+
+    import io
+    from contextlib import redirect_stderr
+
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code = main(["--run", RUN, "--once", "--json"])
+    assert code == 1
+    assert err.getvalue().count("\n") == 1 and f"run '{RUN}' is not running" in err.getvalue()
+
+
+def test_metrics_appear_on_the_endpoint_with_documented_names_and_labels(live):
+    text = live["scraped"]
+    samples = {}
+    for line in text.splitlines():
+        m = re.match(r"(ray_rapidfire_[a-z0-9_]+)\{(.*)\} (\S+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            samples.setdefault(m.group(1), []).append((labels, float(m.group(3))))
+    ours = [s for name, ss in samples.items() for s in ss if s[0].get("run") == RUN]
+    assert ours, sorted(samples)
+    expected = {"ray_rapidfire_loss", "ray_rapidfire_learning_rate", "ray_rapidfire_tokens_per_second",
+                "ray_rapidfire_step_phase_seconds", "ray_rapidfire_steps_total", "ray_rapidfire_tokens_total",
+                "ray_rapidfire_comm_latency_p50_seconds", "ray_rapidfire_comm_latency_p99_seconds",
+                "ray_rapidfire_comm_bytes_sent_total", "ray_rapidfire_comm_bytes_received_total",
+                "ray_rapidfire_compression_ratio", "ray_rapidfire_batch_rows", "ray_rapidfire_padding_fraction",
+                "ray_rapidfire_memory_bytes", "ray_rapidfire_memory_peak_bytes", "ray_rapidfire_utilization",
+                "ray_rapidfire_knob", "ray_rapidfire_step_seconds_bucket"}
+    present = {name for name, ss in samples.items() if any(lab.get("run") == RUN for lab, _ in ss)}
+    assert expected <= present, expected - present
+    assert present <= exported_names()
+    for name in expected:
+        for labels, _ in samples[name]:
+            if labels.get("run") == RUN:
+                assert labels["rank"] in ("0", "1") and labels["node"], (name, labels)
+    phases = {lab["phase"] for lab, _ in samples["ray_rapidfire_step_phase_seconds"] if lab.get("run") == RUN}
+    assert {"data_wait", "forward", "backward", "optimizer", "communication"} <= phases
+    assert any(v > 0 for lab, v in samples["ray_rapidfire_comm_bytes_sent_total"] if lab.get("run") == RUN)
+
+
+def test_prefetch_rule_fires_on_slow_data_and_every_worker_applies_it_at_the_same_step(live):
+    summary = live["summary"]
+    adj = summary["adjustments"]
+    assert adj["adjust"] == "auto"
+    changes = [c for c in adj["changes"] if c["knob"] == "data.prefetch_depth"]
+    assert changes, adj
+    first = changes[0]
+    assert first["old"] == 0 and first["new"] == 1 and first["source"] == "rule"
+    assert "data wait" in first["reason"] and "> 5%" in first["reason"]
+    assert first["applied"] == {"0": first["step"], "1": first["step"]} and first["applied_step"] == first["step"]
+    with open(os.path.join(live["run_dir"], "steps.jsonl"), encoding="utf-8") as f:
+        steps = [json.loads(line) for line in f]
+    for rank in (0, 1):
+        depth = {r["step"]: r["knobs"]["data.prefetch_depth"] for r in steps if r["rank"] == rank}
+        assert depth[first["step"]] == 0 and depth[first["step"] + 1] == 1  # from the next step on
+    # the depth the run ended with is the last change's
+    assert adj["knobs"]["data.prefetch_depth"] == changes[-1]["new"]
