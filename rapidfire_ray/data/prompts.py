@@ -1,0 +1,186 @@
+"""Prompts for the RL stage (`data.format: prompt`): validate rows, measure them against the
+generation budget inside Ray Data, and hand them to the workers.
+
+Row forms (JSON Lines or Parquet): ``{"prompt": "...", "answer": "...", ...}`` or
+``{"prompt": [{"role": "user", "content": "..."}], ...}``. Every column besides ``prompt`` is kept
+(as the record's ``extra``, a JSON object) and reaches the reward functions by name, as TRL passes
+dataset columns to ``reward_funcs``; ``answer_match`` reads ``answer``.
+
+Bad rows, counted and skipped or a one-line error per `data.on_bad_row`: a missing or empty
+prompt, malformed messages, a chat prompt ending with an assistant message, a column a configured
+reward function needs (e.g. ``answer``) missing, and a prompt longer than the generation budget
+``data.max_length - rl.max_new_tokens`` tokens (string prompts as the tokenizer encodes them,
+chat prompts through the chat template with the generation prompt: what TRL's trainers feed the
+model).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
+
+import ray
+import ray.data
+from ray.data.expressions import col
+
+from ..errors import RapidfireError
+
+BAD_ROW_EXAMPLES = 5
+
+
+def normalise_prompt(obj: dict) -> dict:
+    """One decoded row -> record content fields: ``prompt`` (a string prompt) or ``messages`` (a
+    chat prompt as JSON), ``extra`` (the other columns as a JSON object), and ``error``."""
+    from .formats import _check_messages, _check_string, _dump_messages
+
+    if "prompt" not in obj:
+        return {"error": "missing field 'prompt'"}
+    prompt = obj["prompt"]
+    try:
+        extra = json.dumps({k: v for k, v in obj.items() if k != "prompt"}, ensure_ascii=False, default=str)
+    except (TypeError, ValueError) as e:
+        return {"error": f"columns besides 'prompt' cannot be kept ({e})"}
+    if isinstance(prompt, list):
+        msgs, err = _check_messages(prompt, "prompt", need_assistant=False)
+        if err:
+            return {"error": err}
+        if msgs[-1]["role"] == "assistant":
+            return {"error": "the chat prompt ends with an assistant message; end it with the user's turn"}
+        if not any(m["content"].strip() for m in msgs):
+            return {"error": "empty text in 'prompt' (every message is empty)"}
+        return {"error": "", "messages": _dump_messages(msgs), "extra": extra}
+    err = _check_string(prompt, "prompt")
+    return {"error": err} if err else {"error": "", "prompt": prompt, "extra": extra}
+
+
+def row_prompt(record: dict) -> str | list[dict]:
+    """A stored row's prompt as TRL takes it: the string, or the list of chat messages."""
+    return json.loads(record["messages"]) if record.get("messages") else record["prompt"]
+
+
+def row_columns(record: dict) -> dict[str, Any]:
+    """A stored row as a dict for the trainers: ``prompt`` plus its extra columns."""
+    out = json.loads(record["extra"]) if record.get("extra") else {}
+    out.pop("prompt", None)
+    out["prompt"] = row_prompt(record)
+    return out
+
+
+@dataclass
+class PromptReport:
+    files: list[str]
+    rows_read: int = 0
+    bad_rows: int = 0
+    bad_examples: list[dict] = field(default_factory=list)
+    overlong_prompts: int = 0
+    rows: int = 0
+    prompt_tokens: int = 0
+    budget: int = 0
+
+    def describe(self) -> str:
+        line = (f"prompts: {self.rows} rows ({self.prompt_tokens} prompt tokens) from {len(self.files)} file(s); "
+                f"prompt budget {self.budget} tokens")
+        if self.bad_rows:
+            first = self.bad_examples[0]
+            line += f"; skipped {self.bad_rows} bad row(s), e.g. {first['source']}: {first['error']}"
+        return line
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class PromptMeasure:
+    """A `map_batches` callable: prompt length in tokens, over-budget and missing-column errors."""
+
+    def __init__(self, model_name: str, budget: int, needs: dict[str, str]):
+        from ..models import load_tokenizer
+
+        self.tokenizer = load_tokenizer(model_name)
+        self.budget = budget
+        self.needs = needs  # reward function -> the column it reads
+
+    def _length(self, prompt: str, messages: str) -> int:
+        if messages:
+            ids = self.tokenizer.apply_chat_template(json.loads(messages), add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"]
+            return len(ids)
+        return len(self.tokenizer(text=prompt)["input_ids"])
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        lengths, errors = [], []
+        for prompt, messages, extra in zip(batch["prompt"], batch["messages"], batch["extra"]):
+            columns = json.loads(extra) if extra else {}
+            missing = [(fn, c) for fn, c in self.needs.items() if columns.get(c) is None]
+            n = self._length(str(prompt), str(messages))
+            lengths.append(n)
+            if missing:
+                fn, column = missing[0]
+                errors.append(f"missing column {column!r} (rl.reward.functions {fn} reads it)")
+            elif n > self.budget:
+                errors.append(f"prompt is {n} tokens, more than the generation budget of {self.budget} "
+                              "(data.max_length - rl.max_new_tokens)")
+            else:
+                errors.append("")
+        batch["prompt_tokens"] = lengths
+        batch["error"] = errors
+        return batch
+
+
+def _parse(row: dict) -> list[dict]:
+    from .sources import parse_file
+
+    return parse_file(row["path"], row["bytes"], "prompt")
+
+
+def _order_key(batch: dict, seed: int) -> dict:
+    import hashlib
+
+    batch["order"] = [int.from_bytes(hashlib.blake2b(f"{seed}:{s}".encode(), digest_size=8).digest(), "big") >> 1
+                      for s in batch["source"]]
+    return batch
+
+
+def build_prompt_dataset(cfg, path: str, *, num_cpus: int = 1, what: str = "data.path"):
+    """Return (materialised dataset of prompt rows in a seeded order, PromptReport). Rows keep
+    ``source``, ``prompt``, ``messages``, ``extra`` and ``prompt_tokens``."""
+    from ..rl.rules import NEEDS
+    from .sources import list_data_files
+
+    files = list_data_files(path)
+    budget = cfg.data.max_length - cfg.rl.max_new_tokens
+    report = PromptReport(files=files, budget=budget)
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    records = ray.data.read_binary_files(files, include_paths=True).flat_map(_parse).materialize()
+    report.rows_read = records.count()
+    parse_bad = records.filter(expr=col("error") != "")
+    needs = {fn: NEEDS[fn] for fn in cfg.rl.reward.functions if fn in NEEDS}
+    blocks = max(1, min(4 * num_cpus, report.rows_read // 512 + 1))
+    measured = (records.filter(expr=col("error") == "").repartition(blocks)
+                .map_batches(PromptMeasure, fn_constructor_args=(cfg.model.name, budget, needs), batch_size=256,
+                             concurrency=(1, max(1, min(num_cpus, blocks))))
+                .materialize())
+    measure_bad = measured.filter(expr=col("error") != "")
+    report.overlong_prompts = measure_bad.filter(expr=col("prompt_tokens") > budget).count()
+    report.bad_rows = parse_bad.count() + measure_bad.count()
+    if report.bad_rows:
+        report.bad_examples = [{"source": r["source"], "error": r["error"]}
+                               for r in (parse_bad.take(BAD_ROW_EXAMPLES) + measure_bad.take(BAD_ROW_EXAMPLES))
+                               ][:BAD_ROW_EXAMPLES]
+        if cfg.data.on_bad_row == "fail":
+            first = report.bad_examples[0]
+            raise RapidfireError(f"{what}: bad row {first['source']}: {first['error']} ({report.bad_rows} bad row(s) "
+                                 "in all); fix the row or set data.on_bad_row=skip to skip bad rows")
+    ds = (measured.filter(expr=col("error") == "")
+          .map_batches(partial(_order_key, seed=cfg.run.seed), batch_size=1024)
+          .sort("order")
+          .select_columns(["source", "prompt", "messages", "extra", "prompt_tokens"])
+          .materialize())
+    report.rows = ds.count()
+    if report.rows == 0:
+        raise RapidfireError(f"{what} '{path}': no usable prompt rows ({report.rows_read} read, {report.bad_rows} bad); "
+                             "check data.format (prompt) matches the file")
+    report.prompt_tokens = int(ds.sum("prompt_tokens"))
+    return ds, report

@@ -1,0 +1,75 @@
+"""What each Ray Train worker of an RL run does: load the policy, take its shard of prompts,
+train with GRPO/RLOO (TRL) or PPO (ours) against the reward pool, evaluate on held-out prompts
+(rank 0), and hand the final policy to Ray Train as the run's checkpoint."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+
+from ..data.prompts import row_columns
+from ..data.sharding import TRAIN
+from ..models import load_model, load_tokenizer
+from ..models.registry import save_pretrained_atomic
+from .evaluate import evaluate
+from .reward_pool import RewardPool
+from .telemetry import RLStepTimer, TRLStepCallback
+
+
+def rl_loop_per_worker(config: dict) -> None:
+    cfg = config["cfg"]
+    rl = cfg["rl"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    use_gpu = cfg["scaling"]["use_gpu"]
+    torch.set_num_threads(cfg["scaling"]["cpus_per_worker"])
+    torch.manual_seed(cfg["run"]["seed"])
+    board = config["board"]
+
+    tokenizer = load_tokenizer(cfg["model"]["name"])
+    model = load_model(cfg["model"]["name"], dtype=torch.float32)
+    pool = RewardPool.from_config(cfg, config["reward_actors"])
+    # This rank's prompts, read from its Ray Data shard; every rank keeps the same number so the
+    # ranks take the same number of steps.
+    shard = ray.train.get_dataset_shard(TRAIN)
+    rows = [row_columns(r) for r in shard.iter_rows()][: config["num_rows"] // world]
+    scratch = tempfile.mkdtemp(prefix=f"rapidfire-{cfg['run']['name']}-rl-rank{rank}-")
+    timer = RLStepTimer()
+    eval_rows = config.get("eval_rows") or []
+    try:
+        if rank == 0 and eval_rows:
+            ray.get(board.put.remote("rl/eval_before", evaluate(model, tokenizer, eval_rows, pool,
+                                                                  rl["max_new_tokens"])))
+        if rl["algorithm"] in ("grpo", "rloo"):
+            from datasets import Dataset
+
+            from .trl_stage import build_trl_trainer, unwrap
+
+            callback = TRLStepCallback(board=board, timer=timer, pool=pool, rank=rank)
+            trainer = build_trl_trainer(cfg, model, tokenizer, Dataset.from_list(rows), pool, callback, scratch,
+                                        use_cpu=not use_gpu)
+            trainer.rf_timer = timer
+            trainer.train()
+            policy = unwrap(trainer)
+        else:
+            from .ppo import train_ppo
+
+            device = ray.train.torch.get_device()
+            policy = train_ppo(cfg, model, tokenizer, rows, pool, timer, board, rank, world, device,
+                               reward_model=config.get("reward_model"), value_init=config["value_init"])
+        policy.eval()
+        ray.get(board.put.remote(f"rl/pool/{rank}", dict(pool.total)))
+        if rank == 0 and eval_rows:
+            ray.get(board.put.remote("rl/eval_after", evaluate(policy, tokenizer, eval_rows, pool,
+                                                                 rl["max_new_tokens"])))
+        checkpoint = None
+        if rank == 0:
+            final = save_pretrained_atomic(policy, tokenizer, f"{scratch}/final")
+            checkpoint = ray.train.Checkpoint.from_directory(final)
+        ray.train.report({"step": -1}, checkpoint=checkpoint, checkpoint_dir_name="checkpoint-final")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
