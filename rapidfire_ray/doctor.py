@@ -106,7 +106,18 @@ def check_data(cfg, sample: int) -> list[Finding]:
                                              f"none of the first {len(records)} rows is usable",
                                              f"check that data.format ('{d.format}') matches the file")]
     batch = {k: [r[k] for r in good] for k in ("source", "text", "prompt", "completion", "messages")}
-    tokens = tokenizer(batch)
+    if d.format == "preference":  # each side of a pair is scanned as a row of its own
+        import numpy as np
+
+        from .data.preference import PreferenceTokenizer
+
+        tokenizer = PreferenceTokenizer(cfg.model.name, sys.maxsize)
+        pairs = [tokenizer.pair(r["prompt"], r["chosen"], r["rejected"], r["messages"]) for r in good]
+        sides = [np.asarray(ids) for pair in pairs for ids in pair]
+        tokens = {"input_ids": sides, "loss_mask": [np.ones(len(ids), np.int8) for ids in sides],
+                  "source": [r["source"] for r in good for _ in range(2)]}
+    else:
+        tokens = tokenizer(batch)
     lengths = [len(ids) for ids in tokens["input_ids"]]
     ids = [x[: d.max_length].tolist() for x in tokens["input_ids"]]
     untrained = [s for s, m in zip(tokens["source"], tokens["loss_mask"]) if not m[: d.max_length].any()]
