@@ -85,7 +85,6 @@ def test_bad_values_name_key_value_and_allowed(override, expected):
 
 
 @pytest.mark.parametrize("override, later", [
-    ("train.stage=reward", "reward/RL"),
     ("train.stage=pipeline", "reward/RL"),
 ])
 def test_planned_values_are_refused_until_their_feature_exists(override, later):
