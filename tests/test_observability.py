@@ -103,12 +103,72 @@ def test_monitor_config_is_validated():
         load_config(TINY_PROFILE, ["monitor.adjust=sometimes"])
 
 
+# --- the control actor: same step on every worker ---------------------------------------------
+
+def test_a_change_is_applied_by_every_worker_after_the_same_step(ray_cluster):
+    """Two workers polling every 2 steps, one a step behind the other: a change published while
+    they are at different steps is applied by both after the same step; set back by hand too."""
+    import ray
+
+    from rapidfire_ray.telemetry.control import KnobClient, start_control, stop_control
+    from rapidfire_ray.telemetry.progress import ProgressBoard
+
+    board = ProgressBoard.remote()
+    control = start_control("observe-unit", board, Settings(adjust="off"), dict(KNOBS), world_size=2,
+                            every_steps=2, interval_s=60)
+    try:
+        applied = {0: [], 1: []}
+        clients = [KnobClient(control, r, 2, {"data.prefetch_depth": lambda v, r=r: applied[r].append(v)},
+                              initial=dict(KNOBS)) for r in (0, 1)]
+        for c in clients:
+            c.begin(0)
+        steps = {0: 0, 1: 0}
+
+        def advance(rank, to):
+            while steps[rank] < to:
+                steps[rank] += 1
+                for c in clients[rank].step_end(steps[rank]):
+                    applied_at[rank].append((steps[rank], c["new"]))
+
+        applied_at = {0: [], 1: []}
+        advance(0, 5)
+        advance(1, 4)
+        change = ray.get(control.set_knob.remote("data.prefetch_depth", 7, "test"))
+        assert change["step"] >= 6 and change["old"] == 2  # rank 0's next poll is at step 6
+        advance(0, 12)
+        advance(1, 12)
+        assert applied_at[0] == applied_at[1] == [(change["step"], 7)]
+        assert clients[0].values["data.prefetch_depth"] == clients[1].values["data.prefetch_depth"] == 7
+        back = ray.get(control.set_knob.remote("data.prefetch_depth", 2, "set back"))
+        advance(0, 20)
+        advance(1, 20)
+        assert applied_at[0][-1] == applied_at[1][-1] == (back["step"], 2)
+        deadline = time.time() + 10  # the workers report their application asynchronously
+        while time.time() < deadline:
+            info = ray.get(control.info.remote())
+            if all(len(c["applied"]) == 2 for c in info["changes"]):
+                break
+            time.sleep(0.1)
+        assert [c["applied"] for c in info["changes"]] == [{"0": change["step"], "1": change["step"]},
+                                                           {"0": back["step"], "1": back["step"]}]
+        with pytest.raises(ray.exceptions.RayTaskError, match="unknown knob"):
+            ray.get(control.set_knob.remote("optimizer.params.lr", 1.0))
+    finally:
+        stop_control(control, "observe-unit")
+        ray.kill(board)
+
+
 # --- documentation and dashboard match what is exported -------------------------------------
 
 def test_readme_metrics_table_is_the_catalogue():
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     assert reference_markdown() in readme
+
+
+def test_docs_metrics_reference_is_the_catalogue():
+    with open(os.path.join(REPO, "docs", "metrics.md"), encoding="utf-8") as f:
+        assert reference_markdown() in f.read()
 
 
 def test_grafana_dashboard_uses_only_exported_metrics():
@@ -270,3 +330,44 @@ def test_prefetch_rule_fires_on_slow_data_and_every_worker_applies_it_at_the_sam
         assert depth[first["step"]] == 0 and depth[first["step"] + 1] == 1  # from the next step on
     # the depth the run ended with is the last change's
     assert adj["knobs"]["data.prefetch_depth"] == changes[-1]["new"]
+
+
+def test_parameter_server_shards_export_their_updates_and_staleness(ray_cluster):
+    """Shard actors of a run (named rapidfire-ps-<run>-<i>, as ps.driver starts them) record their
+    applied updates; a client pushes a few real gradients."""
+    import ray
+    import torch
+
+    from rapidfire_ray.ps import PSClient, launch_shards
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+    shards, _, pinned = launch_shards(model.named_parameters(), 2, name_prefix="rapidfire-ps-observe-ps",
+                                      max_staleness=2)
+    try:
+        client = PSClient(model.named_parameters(), shards, max_staleness=2, worker_id="w0")
+        client.sync()
+        x = torch.randn(32, 8)
+        for _ in range(5):
+            model.zero_grad()
+            model(x).pow(2).mean().backward()
+            client.push_and_pull({n: p.grad for n, p in model.named_parameters()})
+        client.finish()
+        deadline, text = time.time() + 60, ""
+        while time.time() < deadline:
+            text = _scrape()
+            if text.count('run="observe-ps"') >= 6:
+                break
+            time.sleep(1)
+        for shard in ("0", "1"):
+            updates = [line for line in text.splitlines() if line.startswith("ray_rapidfire_ps_shard_updates_total{")
+                       and 'run="observe-ps"' in line and f'shard="{shard}"' in line]
+            assert updates and float(updates[0].rsplit(" ", 1)[1]) == 5.0, updates
+            assert any(line.startswith("ray_rapidfire_ps_shard_version{") and 'run="observe-ps"' in line
+                       and f'shard="{shard}"' in line and line.endswith(" 5.0") for line in text.splitlines())
+            assert any(line.startswith("ray_rapidfire_ps_shard_staleness_count{") and 'run="observe-ps"' in line
+                       and f'shard="{shard}"' in line for line in text.splitlines())
+    finally:
+        for s in shards:
+            ray.kill(s)
+        del pinned

@@ -119,6 +119,7 @@ class ParameterShard:
         self.waiting: dict[str, tuple[float, float]] = {}  # worker -> (first refused at, last asked at)
 
         self._reset_stats()
+        self._metrics = _shard_metrics(index)  # Ray's metrics endpoint, when running as a run's named actor
         path = snapshot_path(snapshot_dir, index) if snapshot_dir else None
         if path and os.path.exists(path):
             self._restore(path)
@@ -188,6 +189,8 @@ class ParameterShard:
         if self.snapshot_every and self.applied % self.snapshot_every == 0:
             self.snapshot()
         self.push_latencies.append(time.perf_counter() - start)
+        if self._metrics is not None:
+            self._metrics.update(self.version, staleness)
         return {"status": "applied", "version": self.version, "staleness": staleness, "lost": lost}
 
     def pull(self, worker_id: str, have_version: int | None, admit: bool = True, full: bool = False) -> dict:
@@ -379,6 +382,23 @@ class ParameterShard:
 
     def ping(self) -> int:
         return self.version
+
+
+def _shard_metrics(index: int):
+    """`telemetry.metrics.ShardMetrics` for a shard actor named `rapidfire-ps-<run>-<index>`
+    (what `ps.driver` starts for a run), else None (tests, other callers)."""
+    try:
+        import ray
+
+        name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+    except Exception:
+        return None
+    prefix, suffix = "rapidfire-ps-", f"-{index}"
+    if not name or not name.startswith(prefix) or not name.endswith(suffix):
+        return None
+    from ..telemetry.metrics import ShardMetrics
+
+    return ShardMetrics(name[len(prefix):-len(suffix)], index)
 
 
 def _reconstructed() -> bool:

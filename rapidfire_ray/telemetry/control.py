@@ -36,8 +36,9 @@ def control_name(run: str) -> str:
 @ray.remote(num_cpus=0, max_concurrency=8)
 class RunControl:
     def __init__(self, run: str, board, settings: Settings, knobs: dict, *, world_size: int, every_steps: int,
-                 mode: str | None = None, codec: str | None = None, interval_s: float = 1.0):
+                 mode: str | None = None, codec: str | None = None, interval_s: float = 1.0, job_id: str = ""):
         self.run = run
+        self.job_id = job_id  # the driver's job: a leftover of a failed start in the same job may be replaced
         self.board = board
         self.settings = settings
         self.mode = settings.adjust
@@ -155,6 +156,9 @@ class RunControl:
                     "knobs": dict(self.knobs), "changes": [dict(c) for c in self.changes],
                     "advice": list(self.advice), "world_size": self.world_size, "board": self.board}
 
+    def owner(self) -> str:
+        return self.job_id
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -165,13 +169,18 @@ def start_control(run: str, board, settings: Settings, knobs: dict, **kw):
     from ..errors import RapidfireError
 
     name = control_name(run)
+    job = ray.get_runtime_context().get_job_id()
     deadline = time.time() + 15
     while True:
         try:
-            return RunControl.options(name=name, namespace=NAMESPACE).remote(run, board, settings, knobs, **kw)
+            return RunControl.options(name=name, namespace=NAMESPACE).remote(run, board, settings, knobs,
+                                                                            job_id=job, **kw)
         except ValueError:  # the name is taken: a running run, or a finished one's actor still going away
             try:
-                ray.get(ray.get_actor(name, namespace=NAMESPACE).info.remote(), timeout=5)
+                old = ray.get_actor(name, namespace=NAMESPACE)
+                if ray.get(old.owner.remote(), timeout=10) == job:
+                    stop_control(old, run)  # left by a start of this driver that failed before training
+                    continue
                 raise RapidfireError(f"run.name: '{run}' is already running on this Ray cluster (actor {name}); "
                                      "wait for it to finish or choose another run.name") from None
             except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
