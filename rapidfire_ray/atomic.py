@@ -6,8 +6,11 @@ import json
 import os
 import shutil
 
+from .secrets import redact
+
 
 def atomic_write_json(path: str, data: dict) -> str:
+    data = redact(data)  # no secret value from the environment is ever written (secrets.py)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
@@ -19,6 +22,7 @@ def atomic_write_json(path: str, data: dict) -> str:
 
 
 def atomic_write_jsonl(path: str, rows: list[dict]) -> str:
+    rows = redact(rows)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         for row in rows:

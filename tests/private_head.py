@@ -91,6 +91,10 @@ class PrivateHead:
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={self.port}",
                "--node-ip-address=127.0.0.1", f"--num-cpus={self.num_cpus}", f"--temp-dir={self.temp}/ray",
                f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+               # Fixed agent ports: otherwise the raylet waits (and, on a loaded machine, gives up) for
+               # the agents to write the ports they picked.
+               f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+               f"--metrics-export-port={free_port()}",
                "--disable-usage-stats"]
         if self.dashboard_port:
             cmd += ["--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
@@ -102,15 +106,56 @@ class PrivateHead:
             cmd += [f"--autoscaling-config={self.autoscaling_config}"]
         proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=240)
         if proc.returncode != 0:
-            self.stop()
+            self.kill()
             raise RuntimeError(f"ray start --head failed: {proc.stderr[-2000:]}")
         return self
+
+    def start_retrying(self, tries: int = 2) -> "PrivateHead":
+        """start(); on a loaded machine `ray start` sometimes times out: once more, same ports."""
+        for attempt in range(tries):
+            try:
+                return self.start()
+            except (RuntimeError, subprocess.TimeoutExpired):
+                self.kill()
+                if attempt == tries - 1:
+                    raise
+                shutil.rmtree(os.path.join(self.temp, "ray"), ignore_errors=True)
+                time.sleep(5)
+        return self
+
+    def add_node(self, *, num_cpus: int, resources: dict | None = None) -> None:
+        """Another raylet on this machine joining the head (a second "node"), stopped with the head."""
+        import json
+
+        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={self.address}",
+               "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--temp-dir={self.temp}/ray",
+               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+               f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+               "--disable-usage-stats"]
+        if resources:
+            cmd += [f"--resources={json.dumps(resources)}"]
+        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=240)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray start --address failed: {proc.stderr[-2000:]}")
+
+    def python(self, code: str, timeout: float = 120) -> str:
+        """Run `code` in a fresh interpreter connected to this cluster (ray.init(address)); its stdout."""
+        proc = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={self.address!r}, "
+                               f"log_to_driver=False)\n{code}"], env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-2000:])
+        return proc.stdout
 
     def pids(self) -> list[int]:
         return cluster_pids([self.temp, f"--address={self.address} ", f"--address={self.address}\0",
                              f"gcs-address={self.address}"])
 
     def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+    def kill(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             pids = self.pids()
             for pid in pids:
@@ -122,10 +167,9 @@ class PrivateHead:
             while pids and time.time() < deadline and any(os.path.exists(f"/proc/{p}") and
                                                           b"" != _cmdline(p) for p in pids):
                 time.sleep(0.5)
-        shutil.rmtree(self.temp, ignore_errors=True)
 
     def __enter__(self) -> "PrivateHead":
-        return self.start()
+        return self.start_retrying()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -10,6 +10,7 @@ import ray.train
 from transformers import TrainerCallback
 
 from ..atomic import atomic_write_json
+from ..checkpoints import write_manifest
 from .timing import StepTimer, peak_memory_bytes
 
 SHARD_PLAN_FILE = "shard_plan.json"
@@ -17,7 +18,8 @@ SHARD_PLAN_FILE = "shard_plan.json"
 
 class RayRunCallback(TrainerCallback):
     def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int, shard_plan: dict | None = None,
-                 backoff=None, comm=None, memory=None, metrics=None, knobs=None, memory_limit_bytes=None):
+                 backoff=None, comm=None, memory=None, metrics=None, knobs=None, memory_limit_bytes=None,
+                 preemption=None):
         self.board = board
         self.timer = timer
         self.loader = loader
@@ -34,6 +36,7 @@ class RayRunCallback(TrainerCallback):
         self.metrics = metrics  # telemetry.metrics.WorkerMetrics: Ray's metrics endpoint
         self.knobs = knobs  # telemetry.control.KnobClient: live knob changes, applied at step boundaries
         self.memory_limit_bytes = memory_limit_bytes
+        self.preemption = preemption  # preemption.PreemptionCheck: a node's preemption notice -> checkpoint
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.comm is not None:
@@ -88,6 +91,8 @@ class RayRunCallback(TrainerCallback):
         # Save on schedule and always at the last step (transformers only saves on the schedule).
         if state.global_step >= state.max_steps or (self.every_steps and state.global_step % self.every_steps == 0):
             control.should_save = True
+        if self.preemption is not None and state.global_step < state.max_steps:
+            self.preemption.step_end(state.global_step, control)
         if control.should_save and self.comm is not None:
             self.comm.before_save()
         return control
@@ -118,6 +123,8 @@ class RayRunCallback(TrainerCallback):
             atomic_write_json(os.path.join(path, SHARD_PLAN_FILE), self.shard_plan)
         if self.comm is not None and os.path.isdir(path):
             path = self.comm.save(path)  # this rank's error-feedback state
+        if os.path.isdir(path):  # last: sizes and sha256 of everything this rank saved, checked at resume
+            write_manifest(path, self.rank)
         checkpoint = ray.train.Checkpoint.from_directory(path) if os.path.isdir(path) else None
         with self.comm.around_report(state.global_step >= state.max_steps) if self.comm is not None \
                 else contextlib.nullcontext():

@@ -1,0 +1,105 @@
+"""Checkpoints that a crash cannot corrupt silently.
+
+At save, each rank writes `manifest-rank<r>.json` into its checkpoint folder before reporting it
+to Ray Train: every file it wrote, with its size and sha256. Ray Train merges the ranks' folders
+into one checkpoint on the run's storage. At resume, every manifest in the checkpoint is
+verified; a checkpoint with a missing, truncated or altered file (or no manifest at all) is
+skipped with one line, and the newest older checkpoint of the run that verifies is used instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+
+from .atomic import atomic_write_json
+
+MANIFEST_PREFIX = "manifest-rank"
+_CKPT_NAME = re.compile(r"checkpoint-(\d+)$")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: str, rank: int) -> str:
+    """List every file under `folder` (this rank's part of a checkpoint) with size and sha256."""
+    files = {}
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if rel.startswith(MANIFEST_PREFIX) or ".tmp-" in name:
+                continue
+            files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    return atomic_write_json(os.path.join(folder, f"{MANIFEST_PREFIX}{rank}.json"),
+                             {"rank": rank, "files": dict(sorted(files.items()))})
+
+
+def verify(folder: str) -> str | None:
+    """None if every manifest in `folder` matches the files there, else what is wrong (one phrase)."""
+    manifests = sorted(n for n in os.listdir(folder) if n.startswith(MANIFEST_PREFIX) and n.endswith(".json"))
+    if not manifests:
+        return "no manifest (the save did not finish)"
+    for name in manifests:
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                files = json.load(f)["files"]
+        except (OSError, ValueError, KeyError) as e:
+            return f"{name} unreadable ({type(e).__name__})"
+        for rel, want in files.items():
+            path = os.path.join(folder, rel)
+            if not os.path.isfile(path):
+                return f"{rel} missing"
+            size = os.path.getsize(path)
+            if size != want["size"]:
+                return f"{rel} is {size} bytes, {want['size']} expected"
+            if _sha256(path) != want["sha256"]:
+                return f"{rel} sha256 differs from its manifest"
+    return None
+
+
+def step_of(name: str) -> int | None:
+    m = _CKPT_NAME.search(name.rstrip("/"))
+    return int(m.group(1)) if m else None
+
+
+def usable_checkpoint(checkpoint, say=print):
+    """The newest checkpoint at or before `checkpoint` (a ray.train.Checkpoint, or None) whose files
+    verify; None if there is none. Checkpoints on local or mounted storage are checked in place;
+    others (object stores) are downloaded by `as_directory` to be checked."""
+    if checkpoint is None:
+        return None
+    import pyarrow.fs
+    import ray.train
+
+    fs, path = checkpoint.filesystem, checkpoint.path.rstrip("/")
+    parent, name = os.path.dirname(path), os.path.basename(path)
+    newest = step_of(name)
+    candidates = [path]
+    if newest is not None:
+        infos = fs.get_file_info(pyarrow.fs.FileSelector(parent))
+        older = [(step_of(i.base_name), i.path) for i in infos
+                 if i.type == pyarrow.fs.FileType.Directory and step_of(i.base_name) is not None
+                 and step_of(i.base_name) < newest]
+        candidates += [p for _, p in sorted(older, reverse=True)]
+    skipped = []
+    for candidate in candidates:
+        ckpt = checkpoint if candidate == path else ray.train.Checkpoint(candidate, filesystem=fs)
+        with ckpt.as_directory() as folder:
+            problem = verify(folder)
+        if problem is None:
+            if skipped:
+                say(f"checkpoint {skipped[0][0]} failed verification ({skipped[0][1]}); resuming from "
+                    f"{os.path.basename(candidate)} instead"
+                    + (f" ({len(skipped) - 1} more skipped)" if len(skipped) > 1 else ""))
+            return ckpt
+        skipped.append((os.path.basename(candidate), problem))
+    say(f"checkpoint {skipped[0][0]} failed verification ({skipped[0][1]}) and no older checkpoint of the run "
+        "verifies; starting from the beginning")
+    return None

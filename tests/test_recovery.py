@@ -1,0 +1,224 @@
+"""Fault tolerance: checkpoint manifests (a truncated checkpoint is detected and the previous one
+used), a worker process killed mid-run (Ray Train restarts the group, which resumes from the last
+checkpoint), and the sample accounting of what a failure cost."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "jobs", "configs", "tiny.yaml")
+
+
+def _rec(rank, step, t, samples=8):
+    return {"rank": rank, "step": step, "time": t, "samples": samples}
+
+
+def test_recovery_summary_counts_restarts_retrained_and_skipped_steps():
+    from rapidfire_ray.recovery import recovery_line, recovery_summary
+
+    clean = [_rec(r, s, s) for s in range(1, 7) for r in (0, 1)]
+    rec = recovery_summary(clean)
+    assert rec["restarts"] == 0 and rec["steps_trained_twice"] == 0 and rec["steps_skipped"] == []
+    assert rec["unique_samples"] == 6 * 2 * 8 and recovery_line(rec) is None
+    # Checkpoint at step 4; failure after step 6; resumed: steps 5, 6 run again.
+    failed = [_rec(r, s, s) for s in range(1, 7) for r in (0, 1)] + [_rec(r, s, 20 + s) for s in range(5, 9)
+                                                                     for r in (0, 1)]
+    rec = recovery_summary(failed, "checkpoint checkpoint-00000004 failed verification (x)")
+    assert rec["restarts"] == 1 and rec["resumes"] == [{"resumed_from_step": 4, "failed_after_step": 6,
+                                                        "lost_s": 19.0}]
+    assert rec["steps_trained_twice"] == 2 and rec["samples_trained_twice"] == 2 * 2 * 8
+    assert rec["unique_samples"] == 8 * 2 * 8 and rec["steps_skipped"] == []
+    assert rec["checkpoint_fallback"].startswith("checkpoint checkpoint-00000004")
+    assert "1 worker-group restart(s), resumed at step 4" in recovery_line(rec)
+    # A hole in a rank's steps is reported, not hidden.
+    holed = [_rec(0, s, s) for s in (1, 2, 4)]
+    assert recovery_summary(holed)["steps_skipped"] == [3]
+
+
+def test_manifest_detects_truncated_missing_and_altered_files(tmp_path):
+    from rapidfire_ray.checkpoints import verify, write_manifest
+
+    ckpt = tmp_path / "checkpoint-00000002"
+    (ckpt / "sub").mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(os.urandom(4096))
+    (ckpt / "sub" / "state.json").write_text("{}")
+    assert verify(str(ckpt)) == "no manifest (the save did not finish)"
+    write_manifest(str(ckpt), 0)
+    assert verify(str(ckpt)) is None
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[:1000])
+    assert verify(str(ckpt)) == "model.safetensors is 1000 bytes, 4096 expected"
+    (ckpt / "model.safetensors").write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    assert verify(str(ckpt)) == "model.safetensors sha256 differs from its manifest"
+    (ckpt / "model.safetensors").write_bytes(data)
+    (ckpt / "sub" / "state.json").unlink()
+    assert verify(str(ckpt)) == "sub/state.json missing"
+
+
+def test_usable_checkpoint_falls_back_to_the_newest_one_that_verifies(tmp_path):
+    import ray.train
+
+    from rapidfire_ray.checkpoints import usable_checkpoint, write_manifest
+
+    for step in (2, 4, 6):
+        d = tmp_path / f"checkpoint-{step:08d}"
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(os.urandom(2048))
+        write_manifest(str(d), 0)
+        write_manifest(str(d), 1)  # another rank's manifest, merged into the same folder
+    lines = []
+    latest = ray.train.Checkpoint(str(tmp_path / "checkpoint-00000006"))
+    assert usable_checkpoint(latest, lines.append).path == latest.path and lines == []
+    with open(tmp_path / "checkpoint-00000006" / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    os.remove(tmp_path / "checkpoint-00000004" / "manifest-rank1.json")
+    with open(tmp_path / "checkpoint-00000004" / "manifest-rank0.json", "w") as f:
+        f.write("{")
+    chosen = usable_checkpoint(latest, lines.append)
+    assert chosen.path.endswith("checkpoint-00000002")
+    assert lines == ["checkpoint checkpoint-00000006 failed verification (model.safetensors is 100 bytes, 2048 "
+                     "expected); resuming from checkpoint-00000002 instead (1 more skipped)"]
+    assert usable_checkpoint(None) is None
+
+
+def _steps(run_dir):
+    with open(os.path.join(run_dir, "steps.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_a_truncated_checkpoint_is_detected_and_the_previous_one_used(ray_cluster, tmp_path, capsys):
+    from rapidfire_ray.config import load_config
+    from rapidfire_ray.launcher import run
+
+    base = {"run.output_dir": str(tmp_path), "checkpoint.every_steps": 2, "checkpoint.keep": 3}
+    first = run(load_config(TINY, {**base, "train.max_steps": 4}))
+    run_dir = tmp_path / "tiny"
+    assert first["steps"] == 4 and first["recovery"]["restarts"] == 0
+    ckpts = sorted(p.name for p in run_dir.glob("checkpoint-*"))
+    assert ckpts == ["checkpoint-00000002", "checkpoint-00000004"], ckpts
+    manifests = sorted(p.name for p in (run_dir / "checkpoint-00000004").glob("manifest-rank*.json"))
+    assert manifests == ["manifest-rank0.json", "manifest-rank1.json"]
+    model = run_dir / "checkpoint-00000004" / "model.safetensors"
+    size = model.stat().st_size
+    with open(model, "r+b") as f:  # what a crash in the middle of writing it leaves
+        f.truncate(size // 2)
+    capsys.readouterr()
+    second = run(load_config(TINY, {**base, "train.max_steps": 6}), resume=True)
+    out = capsys.readouterr().out
+    line = (f"checkpoint checkpoint-00000004 failed verification (model.safetensors is {size // 2} bytes, {size} "
+            "expected); resuming from checkpoint-00000002 instead")
+    assert line in out
+    assert second["recovery"]["checkpoint_fallback"] == line
+    assert second["steps"] == 6
+    assert sorted({r["step"] for r in _steps(run_dir)}) == [3, 4, 5, 6]  # resumed after step 2
+
+
+def _train_worker_pids() -> list[int]:
+    from ray.util.state import list_actors
+
+    return [a.pid for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])]
+
+
+@pytest.mark.slow
+def test_a_killed_worker_process_is_replaced_and_the_run_finishes(ray_cluster, tmp_path, capsys):
+    """os.kill of one Ray Train worker once the step-4 checkpoint exists: with max_failures 1 the
+    group restarts, resumes from the newest checkpoint and finishes; the summary says what the
+    failure cost (steps after that checkpoint trained twice, none skipped)."""
+    from rapidfire_ray.config import load_config
+    from rapidfire_ray.launcher import run
+
+    run_dir = tmp_path / "tiny"
+    killed = {}
+
+    def kill_when_checkpointed():
+        deadline = time.time() + 400
+        while time.time() < deadline and not (run_dir / "checkpoint-00000004").is_dir():
+            time.sleep(0.2)
+        pids = _train_worker_pids()
+        if pids:
+            killed["pid"], killed["time"] = pids[-1], time.time()
+            os.kill(pids[-1], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_checkpointed, daemon=True)
+    killer.start()
+    summary = run(load_config(TINY, {"run.output_dir": str(tmp_path), "train.max_steps": 24,
+                                     "checkpoint.every_steps": 4, "scaling.max_failures": 1}))
+    killer.join(timeout=5)
+    assert killed, "no Ray Train worker to kill"
+    rec = summary["recovery"]
+    assert summary["steps"] == 24 and rec["restarts"] == 1, rec
+    resume = rec["resumes"][0]
+    assert resume["resumed_from_step"] % 4 == 0 and resume["resumed_from_step"] >= 4
+    # Only the steps after the checkpoint it resumed from ran twice; none was skipped.
+    assert rec["steps_trained_twice"] == resume["failed_after_step"] - resume["resumed_from_step"]
+    assert rec["steps_trained_twice"] < 4 + 4 and rec["steps_skipped"] == []
+    records = _steps(run_dir)
+    per_rank = {r: sorted({x["step"] for x in records if x["rank"] == r}) for r in (0, 1)}
+    assert per_rank[0] == per_rank[1] == list(range(1, 25))
+    assert rec["unique_samples"] == sum(x["samples"] for x in records) - rec["samples_trained_twice"]
+    resumed_at = min(x["time"] for x in records if x["time"] > killed["time"])
+    out = capsys.readouterr().out
+    assert "[rapidfire] recovered from 1 worker-group restart(s)" in out
+    print(f"\nworker killed -> first step after the restart: {resumed_at - killed['time']:.1f} s; "
+          f"lost between steps {resume['lost_s']:.1f} s; {rec['steps_trained_twice']} steps / "
+          f"{rec['samples_trained_twice']} samples trained twice")
+
+
+@pytest.mark.slow
+def test_a_preemption_notice_makes_a_checkpoint_at_the_next_step(tmp_path):
+    """A head and a "spot" node (own raylet, resource `spot`) started here; the run's two workers
+    need {spot: 1} each, so both sit on that node. `ray drain-node --reason
+    DRAIN_NODE_REASON_PREEMPTION` (what the autoscaler does on a spot interruption notice) mid-run:
+    the run saves a checkpoint after the step it was in, off its schedule (every_steps 0), and
+    finishes."""
+    import re
+    import subprocess
+    import sys
+
+    from private_head import PrivateHead
+
+    with PrivateHead(num_cpus=1) as head:
+        head.add_node(num_cpus=2, resources={"spot": 2})
+        node = head.python("print([n['NodeID'] for n in ray.nodes() if n['Alive'] and "
+                           "n['Resources'].get('spot')][0])").strip().splitlines()[-1]
+        log = open(tmp_path / "run.log", "w+")
+        run = subprocess.Popen([sys.executable, "-m", "rapidfire_ray", "train", "--profile", TINY, "--address",
+                                head.address, f"run.output_dir={tmp_path}", "train.max_steps=400",
+                                "checkpoint.every_steps=0", "scaling.resources_per_worker={spot: 1}"],
+                               env=head.env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        try:
+            deadline = time.time() + 400
+            while time.time() < deadline and run.poll() is None:
+                if re.search(r"\[rapidfire\] step ([3-9]|\d\d+)/400", open(tmp_path / "run.log").read()):
+                    break
+                time.sleep(0.5)
+            assert run.poll() is None, open(tmp_path / "run.log").read()[-3000:]
+            drained_at = time.time()
+            drain = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address",
+                                    head.address, "--node-id", node, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                                    "--reason-message", "spot interruption notice (test)",
+                                    "--deadline-remaining-seconds", "120"],
+                                   env=head.env, capture_output=True, text=True, timeout=120)
+            assert drain.returncode == 0, drain.stderr[-2000:]
+            assert run.wait(timeout=600) == 0, open(tmp_path / "run.log").read()[-3000:]
+        finally:
+            if run.poll() is None:
+                run.kill()
+        out = open(tmp_path / "run.log").read()
+        m = re.search(r"\[rapidfire\] node\(s\) \w+ \(ranks \[0, 1\]\) are being preempted, (\d+) s left: saving a "
+                      r"checkpoint after step (\d+)", out)
+        assert m, out[-3000:]
+        step = int(m.group(2))
+        assert 0 < step < 400
+        ckpts = sorted(p.name for p in (tmp_path / "tiny").glob("checkpoint-*"))
+        assert f"checkpoint-{step:08d}" in ckpts and "checkpoint-00000400" in ckpts, ckpts
+        noticed = os.path.getmtime(tmp_path / "tiny" / f"checkpoint-{step:08d}")
+        print(f"\npreemption notice -> checkpoint written: {noticed - drained_at:.1f} s "
+              f"(deadline given: 120 s; the run said {m.group(1)} s left)")
