@@ -5,6 +5,10 @@ RAPIDFIRE_INJECT_SLOW_RANKS="RANK:FACTOR[,RANK:FACTOR...]": those ranks' forward
 take FACTOR times as long (after computing, the worker sleeps FACTOR - 1 times the compute it
 just did, communication left out): a straggler, as a slower or busier accelerator would make
 one. Used by `bench/parameter_server.py` (straggler) and the staleness tests.
+
+RAPIDFIRE_INJECT_CRASH="STAGE:STEP": in a run of train.stage STAGE, rank 0 raises
+`InjectedCrash` when it starts optimizer step STEP (an interruption, e.g. to test that a pipeline
+resumes at the stage where it stopped).
 """
 from __future__ import annotations
 
@@ -13,7 +17,12 @@ import os
 from .errors import RapidfireError
 
 SLOW_RANKS = "RAPIDFIRE_INJECT_SLOW_RANKS"
-ENV_KEYS = (SLOW_RANKS,)
+CRASH = "RAPIDFIRE_INJECT_CRASH"
+ENV_KEYS = (SLOW_RANKS, CRASH)
+
+
+class InjectedCrash(RuntimeError):
+    """The failure RAPIDFIRE_INJECT_CRASH asked for."""
 
 
 def parse_slow_ranks(text: str) -> dict[int, float]:
@@ -36,8 +45,21 @@ def slowdown_for_rank(rank: int, environ=os.environ) -> float:
     return parse_slow_ranks(environ.get(SLOW_RANKS, "")).get(rank, 1.0)
 
 
+def crash_step(stage: str, rank: int, environ=os.environ) -> int | None:
+    """The optimizer step at which this worker must crash (None: never)."""
+    text = environ.get(CRASH, "")
+    if not text:
+        return None
+    where, sep, step = text.partition(":")
+    if not sep or not step.strip().isdigit() or int(step) < 1:
+        raise RapidfireError(f"{CRASH}={text!r}: expected STAGE:STEP with STEP >= 1 (e.g. reward:3)")
+    return int(step) if where.strip() == stage and rank == 0 else None
+
+
 def worker_env(environ=os.environ) -> dict[str, str]:
     """The fault-injection variables set on the driver, checked, for the workers' runtime env."""
     if SLOW_RANKS in environ:
         parse_slow_ranks(environ[SLOW_RANKS])
+    if CRASH in environ:
+        crash_step("", 0, environ)
     return {k: environ[k] for k in ENV_KEYS if k in environ}

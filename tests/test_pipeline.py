@@ -1,0 +1,76 @@
+"""`train.stage: pipeline` (jobs/configs/pipeline.yaml with tiny-random and a few steps): SFT ->
+reward -> RL end to end on real Ray Train workers and a real reward actor; an interruption in the
+reward stage (an injected crash after its first checkpoint) and `--resume` continuing there;
+bad pipeline configs failing before any stage starts."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from rapidfire_ray.cli import main
+from paths import REPO
+
+pytestmark = pytest.mark.timeout(900)
+
+PROFILE = os.path.join(REPO, "jobs", "configs", "pipeline.yaml")
+TINY = ["model.name=tiny-random", "train.max_steps=3", "checkpoint.every_steps=0",
+        "pipeline.reward.train.max_steps=4", "pipeline.reward.checkpoint.every_steps=2",
+        "pipeline.reward.train.log_every_steps=1", "pipeline.reward.data.max_length=96",
+        "pipeline.rl.train.max_steps=2", "pipeline.rl.train.per_device_batch_size=4",
+        "pipeline.rl.rl.num_generations=2", "pipeline.rl.rl.max_new_tokens=6",
+        "pipeline.rl.rl.eval_max_prompts=4", "pipeline.rl.data.max_length=96"]
+
+
+def pipeline(out, *extra, resume=False):
+    return main(["train", "--profile", PROFILE, *(["--resume"] if resume else []), f"run.output_dir={out}",
+                 "run.name=pipe", *TINY, *extra])
+
+
+def test_pipeline_runs_three_stages_and_resumes_at_the_interrupted_one(ray_cluster, tmp_path, monkeypatch, capsys):
+    root = tmp_path / "pipe"
+    monkeypatch.setenv("RAPIDFIRE_INJECT_CRASH", "reward:3")  # after the reward stage's step-2 checkpoint
+    assert pipeline(tmp_path) == 1
+    assert (root / "sft" / "run_summary.json").is_file()
+    assert not (root / "reward" / "run_summary.json").exists()
+    assert not (root / "rl").exists()
+    monkeypatch.delenv("RAPIDFIRE_INJECT_CRASH")
+
+    capsys.readouterr()
+    assert pipeline(tmp_path) == 2  # output there and no --resume: refused, nothing touched
+    err = capsys.readouterr().err
+    assert "--resume" in err and "pipe" in err and len(err.strip().splitlines()) == 1
+
+    sft_before = (root / "sft" / "run_summary.json").read_text()
+    assert pipeline(tmp_path, resume=True) == 0
+    out = capsys.readouterr().out
+    assert "stage 1/3 sft: done earlier" in out
+    assert (root / "sft" / "run_summary.json").read_text() == sft_before  # not trained again
+    reward = json.loads((root / "reward" / "run_summary.json").read_text())
+    assert reward["start_step"] == 2 and reward["steps"] == 4  # continued from its checkpoint
+    assert reward["stage"] == "reward" and reward["reward_eval"]["pairs"] > 0
+    rl = json.loads((root / "rl" / "run_summary.json").read_text())
+    assert rl["stage"] == "rl" and rl["steps"] == 2
+    # Each stage started from the previous one's output.
+    assert rl["rl"]["reward_model"] == str(root / "reward" / "model")
+    s = json.loads((root / "pipeline_summary.json").read_text())
+    assert s["stages"] == ["sft", "reward", "rl"]
+    assert s["results"]["reward"]["reward_eval"]["accuracy"] is not None
+    cmp = s["comparison"]
+    assert cmp["prompts"] == 4
+    for side in ("sft_model", "rl_model"):
+        assert 0.0 <= cmp[side]["task_score"] <= 1.0 and cmp[side]["mean_reward"] is not None
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["pipeline.stages=[rl, sft]"], "pipeline.stages"),
+    (["pipeline.stages=[sft, sft]"], "pipeline.stages"),
+    (["pipeline.rl.rl.algorithm=dpo"], "pipeline.rl: rl.algorithm"),
+    (["pipeline.reward.data.format=prompt_completion"], "pipeline.reward: data.format"),
+])
+def test_bad_pipeline_config_fails_before_any_stage(tmp_path, capsys, extra, expected):
+    assert pipeline(tmp_path, *extra) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "pipe").exists()
