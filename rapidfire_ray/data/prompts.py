@@ -162,13 +162,15 @@ def build_prompt_dataset(cfg, path: str, *, num_cpus: int = 1, what: str = "data
                 .map_batches(PromptMeasure, fn_constructor_args=(cfg.model.name, budget, needs), batch_size=256,
                              concurrency=(1, max(1, min(num_cpus, blocks))))
                 .materialize())
-    measure_bad = measured.filter(expr=col("error") != "")
-    report.overlong_prompts = measure_bad.filter(expr=col("prompt_tokens") > budget).count()
-    report.bad_rows = parse_bad.count() + measure_bad.count()
+    # Bad rows are few: bring their source, reason and length over in one pass.
+    bad = [r for r in parse_bad.select_columns(["source", "error"]).take_all()]
+    measured_bad = measured.filter(expr=col("error") != "").select_columns(["source", "error", "prompt_tokens"])
+    bad_measured = measured_bad.take_all()
+    report.overlong_prompts = sum(1 for r in bad_measured if r["prompt_tokens"] > budget)
+    report.bad_rows = len(bad) + len(bad_measured)
     if report.bad_rows:
         report.bad_examples = [{"source": r["source"], "error": r["error"]}
-                               for r in (parse_bad.take(BAD_ROW_EXAMPLES) + measure_bad.take(BAD_ROW_EXAMPLES))
-                               ][:BAD_ROW_EXAMPLES]
+                               for r in (bad + bad_measured)[:BAD_ROW_EXAMPLES]]
         if cfg.data.on_bad_row == "fail":
             first = report.bad_examples[0]
             raise RapidfireError(f"{what}: bad row {first['source']}: {first['error']} ({report.bad_rows} bad row(s) "
