@@ -103,3 +103,23 @@ def usable_checkpoint(checkpoint, say=print):
     say(f"checkpoint {skipped[0][0]} failed verification ({skipped[0][1]}) and no older checkpoint of the run "
         "verifies; starting from the beginning")
     return None
+
+
+def refresh_manifest_entries(folder: str, rel_paths: list[str]) -> None:
+    """After a deliberate rewrite of files in a finished checkpoint (the parameter server's final
+    state), record their new size and sha256 in the manifests that list them, so the checkpoint
+    still verifies; a file no manifest lists goes into rank 0's."""
+    manifests = sorted(n for n in os.listdir(folder) if n.startswith(MANIFEST_PREFIX) and n.endswith(".json"))
+    if not manifests:
+        return  # a checkpoint saved without manifests is not verified either
+    docs = {}
+    for name in manifests:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            docs[name] = json.load(f)
+    for rel in rel_paths:
+        entry = {"size": os.path.getsize(os.path.join(folder, rel)), "sha256": _sha256(os.path.join(folder, rel))}
+        owner = next((n for n, d in docs.items() if rel in d["files"]), f"{MANIFEST_PREFIX}0.json")
+        docs.setdefault(owner, {"rank": 0, "files": {}})["files"][rel] = entry
+    for name, doc in docs.items():
+        doc["files"] = dict(sorted(doc["files"].items()))
+        atomic_write_json(os.path.join(folder, name), doc)

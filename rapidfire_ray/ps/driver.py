@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import RapidfireError
 from ..models import load_model
+from ..checkpoints import refresh_manifest_entries
 from .shard import launch_shards, snapshot_path
 from .training import codec_options, shard_state_files
 
@@ -87,14 +88,19 @@ class ParameterServer:
                 p.copy_(params[name])
         for path, state in zip(shard_state_files(checkpoint_dir, len(states)), states):
             _atomic_torch_save(state, path)
+        rewritten = [os.path.basename(p) for p in shard_state_files(checkpoint_dir, len(states))]
         tmp = tempfile.mkdtemp(prefix=".ps-final-", dir=checkpoint_dir)
         try:
             self.model.save_pretrained(tmp)
             for name in os.listdir(tmp):
                 if name.endswith((".safetensors", ".safetensors.index.json")):
                     os.replace(os.path.join(tmp, name), os.path.join(checkpoint_dir, name))
+                    rewritten.append(name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        # The checkpoint's manifests must describe its files as they are now, or a resume would
+        # reject this final checkpoint as corrupt and fall back to an older one.
+        refresh_manifest_entries(checkpoint_dir, rewritten)
 
     def stats(self) -> list[dict]:
         return ray.get([h.stats.remote() for h in self.handles])
