@@ -190,3 +190,17 @@ def test_bad_pair_fails_the_run_naming_the_row(ray_cluster, bad_file):
     with pytest.raises(RapidfireError, match=r"^data.path: bad row pairs.jsonl:3: 'chosen' equals 'rejected' .*"
                                              r"\(2 bad row\(s\) in all\); fix the row or set data.on_bad_row=skip"):
         build_sft_dataset(cfg)
+
+
+def test_token_budget_counts_both_sides_of_a_pair():
+    from rapidfire_ray.data.loader import DynamicBatches
+
+    cfg = load_config(None, {"data.format": "preference", "train.stage": "reward", "data.max_length": 32,
+                             "train.per_device_batch_size": 4, "data.dynamic_batch.strategy": "token_budget",
+                             "data.dynamic_batch.max_padding": 1.0})
+    lengths = np.array([2 * 32] * 10 + [2 * 16] * 8)  # num_tokens of a pair: 2 x its longer side
+    batches = DynamicBatches.token_budget(cfg, lengths)
+    plan = batches.plan(1)[0]
+    # default budget 2 x 4 pairs x 32 tokens: 4 pairs at full length, 8 at half length
+    assert sorted(len(b) for b in plan) == [2, 4, 4, 8]
+    assert all(len(b) * int(lengths[b].max()) <= 2 * 4 * 32 for b in plan)
