@@ -1,5 +1,5 @@
 """Reward-model training: TRL's `RewardTrainer` fed by our Ray Data loader with preference pairs
-(`data/preference.py`), and the held-out evaluation of the exported model.
+(`data/preference.py`). The held-out evaluation of the exported model is in `reward_eval.py`.
 
 The model is the configured base model under a one-output sequence-classification head
 (`models.load_reward_model`). A batch holds the chosen sides then the rejected sides (TRL's
@@ -89,7 +89,7 @@ def reward_args(cfg: dict, output_dir: str, use_cpu: bool, precision: Precision 
         use_cpu=use_cpu,
         # TRL defaults to bf16 and gradient checkpointing; precision and memory options are ours.
         **(precision.trainer_flags() if precision is not None else {"bf16": False, "fp16": False}),
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         report_to="none",
         disable_tqdm=True,
         max_length=cfg["data"]["max_length"],
