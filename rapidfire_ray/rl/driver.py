@@ -18,7 +18,7 @@ from ..launcher import WORKER_ENV, _check_resume, connect, run_dir_of, say
 from ..models import load_tokenizer
 from ..results import export_model, summarise
 from ..telemetry.progress import ProgressBoard, ProgressPrinter
-from .reward_pool import actor_name, check_reward_model, kill_actors, launch_reward_actors, same_vocabulary
+from .reward_pool import check_reward_model, kill_actors, launch_reward_actors, same_vocabulary
 from .telemetry import RL_PHASES, UPDATE_PHASES
 
 
@@ -135,7 +135,7 @@ def run_rl(cfg: DictConfig, *, address: str | None = None, resume: bool = False)
         snapshot = ray.get(board.snapshot.remote())
         facts = {k: ray.get(board.get.remote(k)) for k in ("rl/eval_before", "rl/eval_after")}
         pools = [ray.get(board.get.remote(f"rl/pool/{r}")) for r in range(cfg.scaling.num_workers)]
-        restarts = _actor_restarts(cfg, len(actors))
+        actor_stats = _actor_stats(actors)
     finally:
         ray.kill(board)
         kill_actors(actors)
@@ -150,7 +150,7 @@ def run_rl(cfg: DictConfig, *, address: str | None = None, resume: bool = False)
     summary["rl"] = rl_summary(cfg, snapshot["steps"], facts, reward_path, matches, value_init)
     if eval_report is not None:
         summary["rl"]["eval_data"] = eval_report.to_dict()
-    summary["reward_pool"] = pool_summary(cfg, snapshot["steps"], pools, len(actors), restarts)
+    summary["reward_pool"] = pool_summary(cfg, snapshot["steps"], pools, actor_stats)
     atomic_write_jsonl(os.path.join(run_dir, "steps.jsonl"),
                        sorted(snapshot["steps"], key=lambda r: (r["step"], r["rank"])))
     path = atomic_write_json(os.path.join(run_dir, "run_summary.json"), summary)
@@ -163,18 +163,13 @@ def run_rl(cfg: DictConfig, *, address: str | None = None, resume: bool = False)
     return summary
 
 
-def _actor_restarts(cfg: DictConfig, n: int) -> list[int | None]:
-    """Ray's restart count of each reward actor (None where the state API could not say)."""
-    out: list[int | None] = []
-    try:
-        from ray.util.state import list_actors
-    except ImportError:  # pragma: no cover
-        return [None] * n
-    for i in range(n):
+def _actor_stats(actors: list) -> list[dict | None]:
+    """Each reward actor's own counts (since its last start) and whether Ray restarted it."""
+    out: list[dict | None] = []
+    for a in actors:
         try:
-            found = list_actors(filters=[("name", "=", actor_name(cfg.run.name, i))], detail=True, timeout=10)
-            out.append(max((int(getattr(a, "num_restarts", 0) or 0) for a in found), default=None))
-        except Exception:  # noqa: BLE001 - the count is informative only
+            out.append(ray.get(a.stats.remote(), timeout=30))
+        except Exception:  # noqa: BLE001 - informative only; a dead actor has nothing to say
             out.append(None)
     return out
 
@@ -237,19 +232,18 @@ def rl_summary(cfg: DictConfig, steps: list[dict], facts: dict, reward_path, mat
     return out
 
 
-def pool_summary(cfg: DictConfig, steps: list[dict], pools: list[dict | None], num_actors: int,
-                 restarts: list) -> dict:
+def pool_summary(cfg: DictConfig, steps: list[dict], pools: list[dict | None], actor_stats: list) -> dict:
     """The `reward_pool` section: completions generated vs scored (every one must be), batches
-    re-submitted after an actor died, and each actor's restart count."""
+    re-submitted after an actor died, and each actor's own counts and whether it was restarted."""
     generated = sum(r["samples"] for r in steps)
     scored = sum(r.get("reward_scored", 0) for r in steps)
     return {
-        "num_actors": num_actors,
+        "num_actors": len(actor_stats),
         "batch_size": cfg.rl.reward.batch_size,
         "generated": generated,
         "scored": scored,
         "unscored": generated - scored,
         "retries": sum(r.get("reward_retries", 0) for r in steps),
-        "actor_restarts": restarts,
+        "actors": actor_stats,
         "per_worker": pools,
     }

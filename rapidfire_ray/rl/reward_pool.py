@@ -15,9 +15,10 @@ their rollouts through, combined with the rule rewards.
 - Batching: `RewardPool.score` cuts the pairs into batches of `rl.reward.batch_size` and spreads
   them over the actors at once.
 - Faults: actors are created with `max_restarts`; a batch whose actor died
-  (`RayActorError`/`ActorDiedError`/`ActorUnavailableError`) is submitted again (to the next
-  actor, or the same one once Ray has restarted it), so no rollout goes unscored. Re-submissions
-  are counted (`RewardPool.retries`).
+  (`RayActorError`/`ActorDiedError`) is submitted again (to the next actor, or the same one once
+  Ray has restarted it), so no rollout goes unscored; re-submissions are counted
+  (`RewardPool.retries`). An actor that answers `ActorUnavailableError` (restarting) is asked
+  again after a short back-off, for up to `RESTART_WAIT_S`.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from .rules import RULES, completion_text
 
 log = logging.getLogger(__name__)
 
-ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
+ACTOR_ERRORS = (RayActorError, ActorDiedError)  # the task was lost with its actor
+RESTART_WAIT_S = 600.0  # how long a batch waits for a restarting actor
 
 
 def actor_name(run_name: str, index: int) -> str:
@@ -140,7 +142,9 @@ class RewardModelActor:
         return [float(x) for x in logits.float().cpu()]
 
     def stats(self) -> dict:
-        return {"calls": self.calls, "pairs_scored": self.pairs_scored}
+        """Counts since this process started; `restarted`: Ray restarted the actor at least once."""
+        return {"calls": self.calls, "pairs_scored": self.pairs_scored, "pid": os.getpid(),
+                "restarted": ray.get_runtime_context().was_current_actor_reconstructed}
 
 
 def launch_reward_actors(cfg, path: str) -> list:
@@ -229,16 +233,35 @@ class RewardPool:
         for b in range(len(starts)):
             submit(b, (self._next + b) % len(self.actors), 1)
         self._next = (self._next + len(starts)) % len(self.actors)
+        waits = [0] * len(starts)  # consecutive "unavailable" answers per batch
+        deadline = time.monotonic() + RESTART_WAIT_S
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             b, actor_index, attempt = pending.pop(ready[0])
             try:
                 results[b] = ray.get(ready[0])
+                waits[b] = 0
+            except ActorUnavailableError as e:
+                # Restarting (or briefly unreachable): ask again after a short wait; scoring is
+                # idempotent, so a call that did run before the actor went away does no harm.
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"reward actor {actor_index} stayed unavailable for {RESTART_WAIT_S} s; "
+                                       "giving up") from e
+                if waits[b] == 0:  # the submission was lost: count it once, however long the restart takes
+                    self.retries += 1
+                    log.warning("reward actor %d became unavailable while scoring a batch (%s); scoring it again",
+                                actor_index, type(e).__name__)
+                waits[b] += 1
+                time.sleep(min(2.0, 0.05 * 2 ** waits[b]))
+                submit(b, (actor_index + waits[b]) % len(self.actors), attempt)
             except ACTOR_ERRORS as e:
+                # The actor died with the batch: Ray restarts it (max_restarts); score the batch again.
                 if attempt >= self.max_attempts:
                     raise RuntimeError(f"reward actor {actor_index} failed {attempt} times on one batch; giving up "
-                                       f"({type(e).__name__})") from e
+                                       f"({type(e).__name__}); raise rl.reward.max_restarts or check the actor's "
+                                       "log for why it dies") from e
                 self.retries += 1
+                waits[b] = 0
                 log.warning("reward actor %d died while scoring a batch of %d (%s); scoring it again", actor_index,
                             min(self.batch_size, n - starts[b]), type(e).__name__)
                 submit(b, (actor_index + 1) % len(self.actors), attempt + 1)

@@ -97,3 +97,12 @@ def test_missing_reward_model_required_or_optional(tmp_path):
     with pytest.raises(RapidfireError, match=r"nothing would score the rollouts"):
         resolve_reward_model(load_config(None, {**RL, "rl.reward.model": missing, "rl.reward.model_required": False,
                                                 "rl.reward.functions": []}))
+
+
+@pytest.mark.parametrize("name", ["rl_grpo", "rl_rloo", "rl_ppo"])
+def test_profiles_load(name):
+    from paths import REPO
+
+    cfg = load_config(f"{REPO}/jobs/configs/{name}.yaml")
+    assert cfg.train.stage == "rl" and cfg.rl.algorithm == name[3:] and cfg.data.format == "prompt"
+    assert cfg.rl.reward.model == "runs/reward/model" and cfg.rl.reward.model_required is False

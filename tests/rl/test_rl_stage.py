@@ -63,8 +63,8 @@ def _check_run(summary: dict, tmp_path, algorithm: str) -> None:
 
 
 def test_grpo_with_reward_actor_that_dies_mid_run(ray_cluster, tmp_path, prompts, tiny_reward_model):
-    """GRPO: the reward actor exits inside its first scoring call; Ray restarts it, the pool
-    scores that batch again; the run completes with every rollout scored."""
+    """GRPO: the reward actor exits inside its first training-time scoring call; Ray restarts it,
+    the pool scores that batch again; the run completes with every rollout scored."""
     import ray
 
     from rapidfire_ray.launcher import run
@@ -78,7 +78,7 @@ def test_grpo_with_reward_actor_that_dies_mid_run(ray_cluster, tmp_path, prompts
         while time.time() < deadline and not injected.is_set():
             try:
                 actor = ray.get_actor(actor_name(cfg.run.name, 0))
-                ray.get(actor.crash_after.remote(1))
+                ray.get(actor.crash_after.remote(2))  # call 1: the held-out evaluation
                 injected.set()
             except ValueError:  # not started yet
                 time.sleep(0.5)
@@ -92,6 +92,7 @@ def test_grpo_with_reward_actor_that_dies_mid_run(ray_cluster, tmp_path, prompts
     pool = summary["reward_pool"]
     assert pool["retries"] >= 1  # the lost batch was submitted again ...
     assert pool["unscored"] == 0  # ... and nothing went unscored
+    assert pool["actors"][0]["restarted"] is True  # by Ray, after the crash
     ev = summary["rl"]["eval"]
     assert ev["before"]["prompts"] == 2 and 0.0 <= ev["after"]["task_score"] <= 1.0
     assert math.isfinite(ev["after"]["mean_reward"])
@@ -117,3 +118,31 @@ def test_ppo_with_reward_actor_and_value_model_from_it(ray_cluster, tmp_path, pr
         for key in ("kl", "policy_loss", "value_loss", "clip_fraction", "approx_kl"):
             assert math.isfinite(h[key]), key
         assert 0.0 <= h["clip_fraction"] <= 1.0
+
+
+def test_pool_scores_again_a_batch_whose_actor_died(ray_cluster, tiny_reward_model):
+    """The reward pool on its own: the actor exits inside a call; the batch is scored again after
+    Ray restarts it, and the scores equal those of an undisturbed pass."""
+    import ray
+
+    from rapidfire_ray.config import load_config
+    from rapidfire_ray.rl.reward_pool import RewardPool, kill_actors, launch_reward_actors
+
+    cfg = load_config(None, {"train.stage": "rl", "data.format": "prompt", "run.name": "pool-fault",
+                             "rl.reward.model": tiny_reward_model, "rl.reward.cpus_per_actor": 0.5})
+    actors = launch_reward_actors(cfg, tiny_reward_model)
+    try:
+        pool = RewardPool(actors, ["answer_match"], {"model": 2.0}, batch_size=2)
+        prompts = [f"What is {i} + 1? " for i in range(5)] + [[{"role": "user", "content": "Say 3."}]]
+        completions = [str(i + 1) for i in range(5)] + ["3"]
+        rows = [{"answer": str(i + 1)} for i in range(5)] + [{"answer": "3"}]
+        totals, parts = pool.score(prompts, completions, rows)
+        assert parts["answer_match"] == [1.0] * 6
+        assert totals == pytest.approx([2.0 * m + 1.0 for m in parts["model"]])
+        ray.get(actors[0].crash_after.remote(2))  # the second of the next three batches dies with the actor
+        again = pool.score_model(prompts, completions)
+        assert again == pytest.approx(parts["model"], abs=1e-5)
+        assert pool.retries >= 1 and pool.take()["reward_scored"] == 12
+        assert ray.get(actors[0].stats.remote())["restarted"] is True
+    finally:
+        kill_actors(actors)
