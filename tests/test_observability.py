@@ -195,6 +195,27 @@ def _scrape() -> str:
     return "\n".join(text)
 
 
+EXPECTED = {"ray_rapidfire_loss", "ray_rapidfire_learning_rate", "ray_rapidfire_tokens_per_second",
+            "ray_rapidfire_step_phase_seconds", "ray_rapidfire_steps_total", "ray_rapidfire_tokens_total",
+            "ray_rapidfire_comm_latency_p50_seconds", "ray_rapidfire_comm_latency_p99_seconds",
+            "ray_rapidfire_comm_bytes_sent_total", "ray_rapidfire_comm_bytes_received_total",
+            "ray_rapidfire_compression_ratio", "ray_rapidfire_batch_rows", "ray_rapidfire_padding_fraction",
+            "ray_rapidfire_memory_bytes", "ray_rapidfire_memory_peak_bytes", "ray_rapidfire_utilization",
+            "ray_rapidfire_knob", "ray_rapidfire_step_seconds_bucket"}
+
+
+def _samples(text: str) -> dict:
+    """metric name -> [(labels, value)] of our run's series."""
+    samples: dict = {}
+    for line in text.splitlines():
+        m = re.match(r"(ray_rapidfire_[a-z0-9_]+)\{(.*)\} (\S+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            if labels.get("run") == RUN:
+                samples.setdefault(m.group(1), []).append((labels, float(m.group(3))))
+    return samples
+
+
 def _monitor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rapidfire_ray", "monitor", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
@@ -242,7 +263,7 @@ def live(ray_cluster, tmp_path_factory):
         scraped = ""
         while time.time() < deadline:
             scraped = _scrape()
-            if "ray_rapidfire_loss{" in scraped and "ray_rapidfire_step_phase_seconds{" in scraped:
+            if EXPECTED <= set(_samples(scraped)):
                 break
             time.sleep(1)
         result["scraped"] = scraped
@@ -285,32 +306,17 @@ def test_monitor_without_a_running_run_fails_in_one_line(live):
 
 
 def test_metrics_appear_on_the_endpoint_with_documented_names_and_labels(live):
-    text = live["scraped"]
-    samples = {}
-    for line in text.splitlines():
-        m = re.match(r"(ray_rapidfire_[a-z0-9_]+)\{(.*)\} (\S+)$", line)
-        if m:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-            samples.setdefault(m.group(1), []).append((labels, float(m.group(3))))
-    ours = [s for name, ss in samples.items() for s in ss if s[0].get("run") == RUN]
-    assert ours, sorted(samples)
-    expected = {"ray_rapidfire_loss", "ray_rapidfire_learning_rate", "ray_rapidfire_tokens_per_second",
-                "ray_rapidfire_step_phase_seconds", "ray_rapidfire_steps_total", "ray_rapidfire_tokens_total",
-                "ray_rapidfire_comm_latency_p50_seconds", "ray_rapidfire_comm_latency_p99_seconds",
-                "ray_rapidfire_comm_bytes_sent_total", "ray_rapidfire_comm_bytes_received_total",
-                "ray_rapidfire_compression_ratio", "ray_rapidfire_batch_rows", "ray_rapidfire_padding_fraction",
-                "ray_rapidfire_memory_bytes", "ray_rapidfire_memory_peak_bytes", "ray_rapidfire_utilization",
-                "ray_rapidfire_knob", "ray_rapidfire_step_seconds_bucket"}
-    present = {name for name, ss in samples.items() if any(lab.get("run") == RUN for lab, _ in ss)}
-    assert expected <= present, expected - present
-    assert present <= exported_names()
-    for name in expected:
+    samples = _samples(live["scraped"])
+    present = set(samples)
+    assert EXPECTED <= present, sorted(EXPECTED - present)
+    assert present <= exported_names(), present - exported_names()
+    for name in EXPECTED:
         for labels, _ in samples[name]:
-            if labels.get("run") == RUN:
-                assert labels["rank"] in ("0", "1") and labels["node"], (name, labels)
-    phases = {lab["phase"] for lab, _ in samples["ray_rapidfire_step_phase_seconds"] if lab.get("run") == RUN}
+            assert labels["rank"] in ("0", "1") and labels["node"], (name, labels)
+    phases = {lab["phase"] for lab, _ in samples["ray_rapidfire_step_phase_seconds"]}
     assert {"data_wait", "forward", "backward", "optimizer", "communication"} <= phases
-    assert any(v > 0 for lab, v in samples["ray_rapidfire_comm_bytes_sent_total"] if lab.get("run") == RUN)
+    assert any(v > 0 for _, v in samples["ray_rapidfire_comm_bytes_sent_total"])
+    assert {lab["rank"] for lab, _ in samples["ray_rapidfire_steps_total"]} == {"0", "1"}
 
 
 def test_prefetch_rule_fires_on_slow_data_and_every_worker_applies_it_at_the_same_step(live):
