@@ -4,6 +4,7 @@ the policy (`model/`), `steps.jsonl` and `run_summary.json` with its `rl` and `r
 sections."""
 from __future__ import annotations
 
+import glob
 import os
 import time
 
@@ -14,7 +15,7 @@ from ..atomic import atomic_write_json, atomic_write_jsonl
 from ..data.prompts import build_prompt_dataset, row_columns
 from ..data.sharding import TRAIN, ExactSplitDataConfig
 from ..errors import RapidfireError, RunFailed
-from ..launcher import WORKER_ENV, _check_resume, connect, run_dir_of, say
+from ..launcher import WORKER_ENV, connect, run_dir_of, say
 from ..models import load_tokenizer
 from ..results import export_model, summarise
 from ..telemetry.progress import ProgressBoard, ProgressPrinter
@@ -82,7 +83,9 @@ def run_rl(cfg: DictConfig, *, address: str | None = None, resume: bool = False)
                                  "weights cannot read the policy's tokens as a value model; set "
                                  "rl.ppo.value_init=policy (the pool still scores text with its own tokenizer)")
     run_dir = run_dir_of(cfg)
-    _check_resume(run_dir, resume)
+    if glob.glob(os.path.join(run_dir, "checkpoint-*")) or os.path.exists(os.path.join(run_dir, "run_summary.json")):
+        raise RapidfireError(f"run.name: '{cfg.run.name}' already has a run in {run_dir}; choose another run.name, or "
+                             "remove that folder to train again (an RL run cannot be resumed; nothing was overwritten)")
     _connect(address, cfg)
 
     say(f"reading prompts from {cfg.data.path} (prompt) with Ray Data")

@@ -165,7 +165,7 @@ def test_cli_config_error_is_one_line_exit_2_before_ray(tmp_path):
                            write(tmp_path, "train:\n  stage: rl\n")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
-    assert "train.stage: 'rl' is not available yet" in proc.stderr
+    assert "data.format: 'prompt_completion' cannot feed train.stage rl" in proc.stderr
     assert "Traceback" not in proc.stderr and "ray" not in proc.stdout.lower()
 
 
