@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from trl.trainer.utils import identity
+from trl.trainer.utils import RepeatSampler, identity
 
 from ..telemetry.timing import timed_allreduce_hook
 from .reward_pool import RewardPool, rows_from_columns
@@ -41,9 +41,14 @@ class RLTimingMixin:
     _rf_hooked = False
 
     def get_train_dataloader(self):
-        # The rank's own rows, TRL's sampler (see the module doc); no accelerate re-sharding.
-        return DataLoader(self.train_dataset, batch_size=self._train_batch_size * self.args.steps_per_generation,
-                          sampler=self._get_train_sampler(), collate_fn=identity, num_workers=0)
+        # The rank's own rows through TRL's sampler (see the module doc), sized for this rank: TRL's
+        # own sizes it for the global generation batch, which accelerate would then shard.
+        local = self._train_batch_size * self.args.steps_per_generation  # completions per generation, this rank
+        sampler = RepeatSampler(data_source=self.train_dataset, mini_repeat_count=self.num_generations,
+                                batch_size=local // self.num_generations,
+                                repeat_count=self.num_iterations * self.args.steps_per_generation,
+                                shuffle=self.shuffle_dataset, seed=self.args.seed)
+        return DataLoader(self.train_dataset, batch_size=local, sampler=sampler, collate_fn=identity, num_workers=0)
 
     def _generate(self, prompts):
         import time
