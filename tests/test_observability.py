@@ -359,10 +359,15 @@ def test_parameter_server_shards_export_their_updates_and_staleness(ray_cluster)
             model(x).pow(2).mean().backward()
             client.push_and_pull({n: p.grad for n, p in model.named_parameters()})
         client.finish()
-        deadline, text = time.time() + 60, ""
+        def done(text):  # both shards' counters exported after all five updates
+            return all(any(line.startswith("ray_rapidfire_ps_shard_updates_total{") and 'run="observe-ps"' in line
+                           and f'shard="{shard}"' in line and line.endswith(" 5.0") for line in text.splitlines())
+                       for shard in ("0", "1"))
+
+        deadline, text = time.time() + 90, ""
         while time.time() < deadline:
             text = _scrape()
-            if text.count('run="observe-ps"') >= 6:
+            if done(text):
                 break
             time.sleep(1)
         for shard in ("0", "1"):
