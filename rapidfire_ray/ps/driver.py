@@ -46,7 +46,12 @@ class ParameterServer:
     def __init__(self, cfg: DictConfig, run_dir: str, *, resume: bool):
         ps, o = cfg.communication.ps, cfg.optimizer.params
         torch.manual_seed(cfg.run.seed)
-        self.model = load_model(cfg.model.name, dtype=torch.float32)
+        if cfg.train.stage == "reward":  # the reward model: the base weights under a one-output head
+            from ..models import load_reward_model, load_tokenizer
+
+            self.model = load_reward_model(cfg.model.name, torch.float32, load_tokenizer(cfg.model.name).pad_token_id)
+        else:
+            self.model = load_model(cfg.model.name, dtype=torch.float32)
         named = dict(self.model.named_parameters())
         nodes = sum(1 for n in ray.nodes() if n["Alive"])
         self.num_shards = ps.num_shards or max(1, nodes)
