@@ -6,26 +6,34 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import socket
 import time
 
 # Ray Train V2 patches print() in workers; with `datasets` fingerprinting it floods the logs.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+# An embedded cluster's raylet gives its agents this long to start (Ray's default, about 15 s, is
+# too short on a busy small machine: the raylet then aborts and ray.init fails).
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 
 import ray  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from .data.loader import DynamicBatches  # noqa: E402
+from .data.loader import DATA_DELAY_ENV, DynamicBatches  # noqa: E402
+from .data import preference  # noqa: E402
 from .data.prepare import build_sft_dataset, row_lengths  # noqa: E402
 from .data.sharding import TRAIN, ExactSplitDataConfig  # noqa: E402
 from .data.sources import list_data_files  # noqa: E402
 from .errors import RapidfireError, RunFailed  # noqa: E402
+from . import faults  # noqa: E402
 from .memory import allocator  # noqa: E402
 from .memory.levels import MemoryOptions  # noqa: E402
 from .models import load_tokenizer  # noqa: E402
 from .atomic import atomic_write_json, atomic_write_jsonl
-from .ps.driver import ParameterServer  # noqa: E402
+from .ps.driver import SHARD_CPUS, ParameterServer  # noqa: E402
+from .placement import wait_for_workers  # noqa: E402
+from .recovery import recovery_line, recovery_summary  # noqa: E402
 from .results import (  # noqa: E402
            export_model,
            memory_check,
@@ -33,8 +41,10 @@ from .results import (  # noqa: E402
            parameter_server_summary,
            summarise,
 )
+from .stages import reward_eval as reward_stage  # noqa: E402
 from .telemetry.callback import SHARD_PLAN_FILE  # noqa: E402
 from .telemetry.progress import ProgressBoard, ProgressPrinter  # noqa: E402
+from .telemetry.control import ControlWatcher, adjustments_summary, run_control, stop_control  # noqa: E402
 
 WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
@@ -105,6 +115,8 @@ def connect(address: str | None, cfg: DictConfig) -> None:
         say(f"connected to Ray cluster at {address}")
         return
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    if cfg.communication.mode == "parameter_server":  # the shard actors' share (one shard by default here)
+        need += math.ceil(SHARD_CPUS * (cfg.communication.ps.num_shards or 1))
     # One CPU beyond the workers' share, so Ray Data can still run tasks while they train.
     num_cpus = max(os.cpu_count() or 1, need + 1)
     ray.init(num_cpus=num_cpus, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
@@ -145,12 +157,23 @@ def _trainer_class(cfg: DictConfig):
 def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
+    if cfg.train.stage == "pipeline":  # SFT -> reward -> RL, each stage a run of its own
+        from .pipeline import run_pipeline
+
+        return run_pipeline(cfg, address=address, resume=resume)
+    if cfg.train.stage == "rl":  # its own driver: prompts, the reward pool, the policy workers
+        from .rl.driver import run_rl
+
+        return run_rl(cfg, address=address, resume=resume)
+
     from .worker import train_loop_per_worker
 
     t_start = time.time()
     # Fail on a missing data path or an unusable model name before Ray starts (the tokenizer is
     # small; for smollm2-135m this also builds the converted-model cache the workers load).
     list_data_files(cfg.data.path)
+    if cfg.data.eval_path is not None:
+        list_data_files(cfg.data.eval_path)
     load_tokenizer(cfg.model.name)
     run_dir = run_dir_of(cfg)
     _check_resume(run_dir, resume)
@@ -163,6 +186,9 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     if report.rows < cfg.scaling.num_workers:
         raise RapidfireError(f"scaling.num_workers: {cfg.scaling.num_workers} workers but only {report.rows} "
                              "usable rows; use fewer workers or more data")
+    held_out = reward_stage.held_out_dataset(cfg, num_cpus=max(1, num_cpus - 1))  # None without data.eval_path
+    if held_out is not None:
+        say(f"held-out {held_out[1].describe()}")
 
     lengths = dynamic_batch_lengths(cfg, ds)
     memory_options = MemoryOptions.from_config(cfg)
@@ -173,15 +199,18 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         say(f"parameter server: {ps.num_shards} shard actor(s), codec {cfg.optimizer.params.compression.grad}, "
             f"max_staleness {cfg.communication.ps.max_staleness}")
     board = ProgressBoard.remote()
-    sample_rows = [{"input_ids": [int(t) for t in r["input_ids"]],
-                    "labels": [int(t) if m else -100 for t, m in zip(r["input_ids"], r["loss_mask"])]}
-                   for r in ds.take(2)]
+    control = run_control(cfg, board)
+    sample_rows = preference.sample_rows(ds) if cfg.data.format == preference.NAME else \
+        [{"input_ids": [int(t) for t in r["input_ids"]],
+          "labels": [int(t) if m else -100 for t, m in zip(r["input_ids"], r["loss_mask"])]} for r in ds.take(2)]
     trainer = _trainer_class(cfg)(
         train_loop_per_worker,
         train_loop_config={"cfg": plain, "num_rows": report.rows, "board": board, "sample_rows": sample_rows,
-                           "lengths": lengths, "ps_shards": ps.handles if ps is not None else None},
+                           "lengths": lengths, "ps_shards": ps.handles if ps is not None else None,
+                           "control": control},
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
+                                                           **cfg.scaling.resources_per_worker},
                                      placement_strategy=cfg.scaling.placement),
         run_config=RunConfig(
             name=cfg.run.name,
@@ -189,7 +218,11 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
             logging_config=LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker),
+            worker_runtime_env={"env_vars": {**WORKER_ENV, **faults.worker_env(),
+                                             # an injected slow data source (tests, demonstrations)
+                                             **({DATA_DELAY_ENV: os.environ[DATA_DELAY_ENV]}
+                                                if os.environ.get(DATA_DELAY_ENV) else {}),
+                                             "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker),
                                              **(allocator.worker_env() if memory_options.defragment else {}),
                                              # a CPU worker on a GPU node must not pick DeepSpeed's CUDA side
                                              **({"DS_ACCELERATOR": "cpu"} if memory_options.zero_stage
@@ -199,10 +232,15 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         dataset_config=ExactSplitDataConfig(shard_by_node=cfg.data.shard_by_node, board=board,
                                             saved_plan=saved_shard_plan(run_dir) if resume else None),
     )
+    # The workers' resource request, visible (and bounded by scaling.placement_timeout_s) while the
+    # cluster or its autoscaler cannot place it; Ray Train itself would retry silently forever.
+    scaling = trainer.scaling_config
+    wait_for_workers(scaling._resources_per_worker_not_none, cfg.scaling.num_workers, cfg.scaling.placement,
+                     cfg.scaling.placement_timeout_s, say)
     say(f"training: stage {cfg.train.stage}, model {cfg.model.name}, {cfg.scaling.num_workers} worker(s)"
         + (", resuming from the latest checkpoint" if resume else ""))
     try:
-        with ProgressPrinter(board):
+        with ProgressPrinter(board), ControlWatcher(control):
             try:
                 result = trainer.fit()
             except Exception as e:
@@ -213,6 +251,8 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         memory_model = ray.get(board.get.remote("memory_model"))
         memory = ray.get(board.get.remote("memory"))
         guard = ray.get(board.get.remote("guard"))
+        checkpoint_fallback = ray.get(board.get.remote("checkpoint_fallback"))
+        control_info = ray.get(control.info.remote())
         held = [ray.get(board.get.remote(f"held_bytes/{r}")) for r in range(cfg.scaling.num_workers)]
         if ps is not None:
             if result.checkpoint is not None:
@@ -220,6 +260,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             ps_clients = [ray.get(board.get.remote(f"ps_client/{r}")) for r in range(cfg.scaling.num_workers)]
             ps_shards = ps.stats()
     finally:
+        stop_control(control, cfg.run.name)
         ray.kill(board)
         if ps is not None:
             ps.stop()
@@ -235,8 +276,13 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     if ps is not None:
         summary["parameter_server"] = parameter_server_summary(ps_shards, ps_clients, snapshot["steps"])
         say(parameter_server_line(summary["parameter_server"]))
+    summary["adjustments"] = adjustments_summary(control_info)
     if guard is not None:
         summary["nonfinite_skipped_steps"] = guard["skipped_steps"]
+    # Worker failures survived (scaling.max_failures) and what they cost: steps/samples trained twice.
+    summary["recovery"] = recovery_summary(snapshot["steps"], checkpoint_fallback)
+    if recovery_line(summary["recovery"]):
+        say(recovery_line(summary["recovery"]))
     if memory is not None:
         summary["memory"] = {**{k: v for k, v in memory.items() if k not in ("description", "held_bytes")},
                              "held_bytes_per_worker": held, "peak_memory_bytes": summary["peak_memory_bytes"]}
@@ -247,10 +293,14 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             f"{memory_model['estimated_peak_bytes'] / 2**30:.2f} GiB for the largest batch "
             f"({memory_model['largest_batch']['rows']} x {memory_model['largest_batch']['width']} tokens), "
             f"measured {summary['memory_model']['measured_peak_bytes'] / 2**30:.2f} GiB on rank 0")
+    reward_line = ""
+    if cfg.train.stage == "reward":
+        summary["reward_eval"] = reward_stage.reward_eval_section(cfg, held_out, model_dir, snapshot["logs"])
+        reward_line = reward_stage.reward_eval_line(summary["reward_eval"])
     # Every rank's record of every step (phase seconds, samples, tokens), for analysis.
     atomic_write_jsonl(os.path.join(run_dir, "steps.jsonl"), sorted(snapshot["steps"],
                                                                      key=lambda r: (r["step"], r["rank"])))
     path = atomic_write_json(os.path.join(run_dir, "run_summary.json"), summary)
     say(f"done: {summary['steps']} steps, final loss {summary['final_loss']}, {summary['tokens_per_s']} tokens/s; "
-        f"model in {model_dir}; summary in {path}")
+        + (f"{reward_line}; " if reward_line else "") + f"model in {model_dir}; summary in {path}")
     return summary

@@ -20,19 +20,36 @@ from .comm.training import TrainerComm
 from .data.backoff import OOMBackoff
 from .data.loader import DynamicBatches, ShardLoader
 from .data.sharding import PLAN_KEY, TRAIN, ShardPlan
+from .checkpoints import usable_checkpoint
+from .secrets import redact_std_streams
+from .preemption import PreemptionCheck
 from .errors import RapidfireError
+from .faults import crash_step, slowdown_for_rank
 from .memory import free_memory_bytes, memory_in_use_bytes
 from .memory.estimate import MemoryModel
 from .memory.setup import WorkerMemory
 from .memory.zero import held_bytes
-from .models import load_model, load_tokenizer, model_num_parameters
+from .models import load_model, load_reward_model, load_tokenizer, model_num_parameters
 from .stages.guard import NanGuard
+from .stages.reward import build_reward_trainer, reward_args
 from .stages.sft import build_sft_trainer, sft_args
 from .telemetry.callback import RayRunCallback
+from .telemetry.control import KnobClient
+from .telemetry.metrics import WorkerMetrics
 from .telemetry.timing import StepTimer
 
 
+# train.stage -> (trainer arguments, model from (model.name, tokenizer), trainer): what differs
+# between the stages that run on this loop.
+STAGES = {
+    "sft": (sft_args, lambda name, tokenizer: load_model(name, dtype=torch.float32), build_sft_trainer),
+    "reward": (reward_args, lambda name, tokenizer: load_reward_model(name, torch.float32, tokenizer.pad_token_id),
+               build_reward_trainer),
+}
+
+
 def train_loop_per_worker(config: dict) -> None:
+    redact_std_streams()  # secret env values never reach this worker's logs
     cfg = config["cfg"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -49,9 +66,10 @@ def train_loop_per_worker(config: dict) -> None:
     # Each rank writes its checkpoint pieces to its own local folder; Ray Train merges and stores them.
     local_dir = tempfile.mkdtemp(prefix=f"rapidfire-{cfg['run']['name']}-rank{rank}-")
     # The trainer's arguments come before the model: with ZeRO-3 transformers then builds it partitioned.
-    args = sft_args(cfg, local_dir, use_cpu=not use_gpu, precision=memory.precision,
-                    deepspeed=memory.deepspeed_config(ctx.get_local_world_size()))
-    model = load_model(cfg["model"]["name"], dtype=torch.float32)
+    make_args, make_model, make_trainer = STAGES[cfg["train"]["stage"]]
+    args = make_args(cfg, local_dir, use_cpu=not use_gpu, precision=memory.precision,
+                     deepspeed=memory.deepspeed_config(ctx.get_local_world_size()))
+    model = make_model(cfg["model"]["name"], tokenizer)
     memory.adopt(model)
     dynamic = _dynamic_batches(cfg, config["lengths"], memory.batching_model(), rank, world, free_bytes,
                                config["board"])
@@ -70,19 +88,28 @@ def train_loop_per_worker(config: dict) -> None:
     memory.attach(model)
     timer = StepTimer()
     backoff = OOMBackoff()
+    backoff.ceiling = cfg["memory"].get("max_forward_tokens")
+    metrics, knobs = _live_telemetry(cfg, config.get("control"), rank, loader, backoff)
     comm = TrainerComm(cfg, rank=rank, total_steps=_total_steps(cfg, len(loader)), timer=timer,
                        shards=config.get("ps_shards"))
     callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
                               every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json(),
-                              backoff=backoff, comm=comm, memory=memory)
-    trainer = build_sft_trainer(args, model, tokenizer, loader, config["sample_rows"], callbacks=[callback])
+                              backoff=backoff, comm=comm, memory=memory, metrics=metrics, knobs=knobs,
+                              memory_limit_bytes=baseline_bytes + free_bytes,
+                              preemption=PreemptionCheck(config["board"], rank)
+                              if cfg["checkpoint"]["on_preemption"]
+                              and cfg["communication"]["mode"] != "parameter_server" else None)
+    trainer = make_trainer(args, model, tokenizer, loader, config["sample_rows"], callbacks=[callback])
     trainer.rf_timer = timer
     trainer.rf_defragment = memory.options.defragment
     trainer.rf_backoff = backoff
     trainer.rf_comm = comm
     trainer.rf_guard = NanGuard.for_run(cfg, model, tokenizer.pad_token_id, rank)
+    trainer.rf_slowdown = slowdown_for_rank(rank)
+    trainer.rf_crash_step = crash_step(cfg["train"]["stage"], rank)
 
-    checkpoint = ray.train.get_checkpoint()
+    # The newest checkpoint whose files match their manifests (a truncated one is skipped, said once).
+    checkpoint = usable_checkpoint(ray.train.get_checkpoint(), say=_checkpoint_note(config["board"], rank))
     try:
         if checkpoint is None:
             trainer.train()
@@ -106,6 +133,33 @@ def train_loop_per_worker(config: dict) -> None:
     finally:
         memory.detach()
         shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def _live_telemetry(cfg: dict, control, rank: int, loader: ShardLoader, backoff: OOMBackoff):
+    """This worker's metrics on Ray's endpoint, and its side of the run's live knobs (`rapidfire monitor`)."""
+    every = cfg["train"]["log_every_steps"]
+    metrics = WorkerMetrics(cfg["run"]["name"], rank, every, threads=cfg["scaling"]["cpus_per_worker"])
+    if control is None:
+        return metrics, None
+
+    def set_max_forward_tokens(value):
+        backoff.ceiling = value
+
+    knobs = KnobClient(control, rank, every, {"data.prefetch_depth": loader.set_prefetch_depth,
+                                              "memory.max_forward_tokens": set_max_forward_tokens},
+                       initial={"data.prefetch_depth": loader.prefetch_depth,
+                                "memory.max_forward_tokens": backoff.ceiling}, on_apply=metrics.knobs)
+    metrics.knobs(knobs.values)
+    return metrics, knobs
+
+
+def _checkpoint_note(board, rank: int):
+    """Rank 0 prints a checkpoint fallback and leaves it on the board for the run summary."""
+    def say(msg: str) -> None:
+        if rank == 0:
+            print(f"[rapidfire] {msg}", flush=True)
+            ray.get(board.put.remote("checkpoint_fallback", msg))
+    return say
 
 
 def _dynamic_batches(cfg: dict, lengths, memory: MemoryModel, rank: int, world: int, free_bytes: int,

@@ -6,6 +6,8 @@ import sys
 
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The raylet gives its agents this long to start (default about 15 s; a loaded CI machine needs more).
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 # Ray exports ray.util.metrics every metrics_report_interval_ms (default 10 s; 1 s is its floor):
 # the metrics tests scrape them during a short run.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
@@ -21,9 +23,17 @@ def ray_cluster(tmp_path_factory):
 
     from rapidfire_ray.launcher import WORKER_ENV
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=4, log_to_driver=True,
-                 runtime_env={"env_vars": WORKER_ENV},
-                 _temp_dir=str(tmp_path_factory.mktemp("ray")) if sys.platform == "linux" else None)
+    # On a loaded machine a raylet can miss Ray's fixed 30 s start-up window: one more try.
+    for attempt in range(2):
+        if ray.is_initialized():
+            break
+        try:
+            ray.init(num_cpus=4, log_to_driver=True,
+                     runtime_env={"env_vars": WORKER_ENV},
+                     _temp_dir=str(tmp_path_factory.mktemp("ray")) if sys.platform == "linux" else None)
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
     yield ray
     ray.shutdown()

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from ..errors import RapidfireError
-from .schema import CHOICES, PLANNED_IN, RANGES, RapidfireConfig
+from .schema import CHOICES, RANGES, RapidfireConfig
 
 ProfileLike = Union[str, os.PathLike, Mapping[str, Any], DictConfig, None]
 
@@ -43,7 +43,9 @@ def load_config(profile: ProfileLike = None, overrides: Iterable[str] | Mapping[
 
 
 def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+    from ..secrets import redact_text  # a secret from the environment is never printed or written
+
+    return redact_text(OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def _read_yaml(path: str) -> dict:
@@ -165,14 +167,12 @@ def _get(cfg: DictConfig, key: str) -> Any:
 
 def validate(cfg: DictConfig) -> None:
     """Check choices, ranges and cross-key rules; raise RapidfireError on the first problem."""
-    for key, (now, later) in CHOICES.items():
+    if cfg.monitor.adjust == "False":  # YAML reads a bare `off` as false
+        cfg.monitor.adjust = "off"
+    for key, allowed in CHOICES.items():
         value = _get(cfg, key)
-        if value in now:
-            continue
-        if value in later:
-            raise RapidfireError(f"{key}: {_show(value)} is not available yet (it comes with "
-                                 f"{PLANNED_IN[key]}); use one of: {_listed(now)}")
-        raise RapidfireError(f"{key}: {_show(value)} is not one of: {_listed(now + later)}")
+        if value not in allowed:
+            raise RapidfireError(f"{key}: {_show(value)} is not one of: {_listed(allowed)}")
     for key, (low, high) in RANGES.items():
         value = _get(cfg, key)
         if value is None:
@@ -212,6 +212,10 @@ def validate(cfg: DictConfig) -> None:
                              f"data.max_length {cfg.data.max_length} tokens; raise it to >= {cfg.data.max_length}")
     _check_communication(cfg)
     _check_memory(cfg)
+    _check_monitor(cfg)
+    _check_worker_resources(cfg)
+    _check_rl(cfg)
+    _check_reward(cfg)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", cfg.run.name):
         raise RapidfireError(f"run.name: {_show(cfg.run.name)} is invalid; allowed: letters, digits, '.', "
                              "'_', '-' (it names a folder), at most 100 characters")
@@ -285,3 +289,107 @@ def _check_memory(cfg: DictConfig) -> None:
             else "fp16 needs a CUDA GPU (its loss scaling and kernels are GPU-only)"
         raise RapidfireError(f"train.precision: {precision} on CPU workers (scaling.use_gpu false): {why}; "
                              "use bf16 or fp32, or scaling.use_gpu=true on a GPU cluster")
+
+
+def _check_rl(cfg: DictConfig) -> None:
+    """The RL stage's keys (train.stage rl) and the prompt format that feeds it."""
+    rl, stage, fmt = cfg.rl, cfg.train.stage, cfg.data.format
+    if stage != "rl":
+        if fmt == "prompt":
+            raise RapidfireError(f"data.format: 'prompt' rows (prompts without completions) only feed train.stage rl; "
+                                 f"set train.stage=rl, or use prompt_completion/messages rows for {stage}")
+        return
+    if fmt != "prompt":
+        raise RapidfireError(f"data.format: {_show(fmt)} cannot feed train.stage rl, which samples its own completions; "
+                             "set data.format=prompt (rows with `prompt` and columns such as `answer`)")
+    from ..rl.rules import RULES  # noqa: PLC0415 - the rule names live with the rules
+
+    for name in rl.reward.functions:
+        if name not in RULES:
+            raise RapidfireError(f"rl.reward.functions: unknown reward function {_show(name)}; built-in: "
+                                 f"{', '.join(RULES)}")
+    if rl.reward.model is None and not rl.reward.functions:
+        raise RapidfireError("rl.reward: no reward: set rl.reward.model to a sequence-classification checkpoint "
+                             "and/or rl.reward.functions (e.g. [answer_match])")
+    for name in rl.reward.weights:
+        if name != "model" and name not in rl.reward.functions:
+            raise RapidfireError(f"rl.reward.weights: {_show(name)} names no reward; use 'model' or one of "
+                                 f"rl.reward.functions ({_listed(rl.reward.functions) or 'none'})")
+    workers_batch = cfg.train.per_device_batch_size
+    if workers_batch % rl.num_generations:
+        raise RapidfireError(f"train.per_device_batch_size: {workers_batch} completions per worker is not a multiple "
+                             f"of rl.num_generations {rl.num_generations} (each worker samples whole groups); "
+                             f"use {max(1, workers_batch // rl.num_generations) * rl.num_generations}")
+    if rl.algorithm in ("grpo", "rloo") and rl.num_generations < 2:
+        raise RapidfireError(f"rl.num_generations: {rl.algorithm} compares the completions of one prompt, so it "
+                             "needs at least 2; set rl.num_generations=4 (or use rl.algorithm=ppo)")
+    budget = cfg.data.max_length - rl.max_new_tokens
+    if budget < 8:
+        raise RapidfireError(f"rl.max_new_tokens: {rl.max_new_tokens} leaves {budget} tokens of data.max_length "
+                             f"{cfg.data.max_length} for the prompt; raise data.max_length or lower rl.max_new_tokens")
+    if rl.algorithm == "ppo":
+        if workers_batch % rl.ppo.minibatch_size:
+            raise RapidfireError(f"rl.ppo.minibatch_size: {rl.ppo.minibatch_size} does not divide "
+                                 f"train.per_device_batch_size {workers_batch} (the rollout batch per worker)")
+        if cfg.train.gradient_accumulation_steps != 1:
+            raise RapidfireError("train.gradient_accumulation_steps: ppo updates on rl.ppo.minibatch_size minibatches "
+                                 "of each rollout; leave gradient_accumulation_steps at 1")
+        if rl.ppo.value_init == "reward" and rl.reward.model is None:
+            raise RapidfireError("rl.ppo.value_init: 'reward' needs rl.reward.model; set it, or value_init=policy")
+    unsupported = [(cfg.communication.mode != "allreduce", f"communication.mode {cfg.communication.mode}"),
+                   (cfg.optimizer.type != "adamw", f"optimizer.type {cfg.optimizer.type}"),
+                   (cfg.memory.optim_level != "level0", f"memory.optim_level {cfg.memory.optim_level}"),
+                   (cfg.scaling.hybrid_parallel, "scaling.hybrid_parallel"),
+                   (cfg.data.dynamic_batch.strategy != "fixed", f"data.dynamic_batch.strategy "
+                                                                f"{cfg.data.dynamic_batch.strategy}")]
+    for bad, what in unsupported:
+        if bad:
+            raise RapidfireError(f"{what}: train.stage rl runs with plain DDP allreduce, adamw, memory level0 and fixed "
+                                 "batches in this release; remove it for the RL stage")
+
+
+def _check_reward(cfg: DictConfig) -> None:
+    """The reward stage (train.stage reward) and the preference pairs that feed it."""
+    stage, fmt, d = cfg.train.stage, cfg.data.format, cfg.data
+    if stage == "reward" and fmt != "preference":
+        raise RapidfireError(f"data.format: {_show(fmt)} cannot feed train.stage reward, which learns from pairs; "
+                             "set data.format=preference (rows with prompt, chosen, rejected)")
+    if fmt == "preference" and stage != "reward":
+        raise RapidfireError(f"data.format: 'preference' pairs only feed train.stage reward; set train.stage=reward, "
+                             f"or use prompt_completion/messages rows for {stage}")
+    if d.eval_path is not None:
+        if stage != "reward":
+            raise RapidfireError(f"data.eval_path: only used by train.stage reward (held-out pairs scored after "
+                                 f"training); remove it for train.stage {stage}")
+        if not d.eval_path.strip():
+            raise RapidfireError(f"data.eval_path: {_show(d.eval_path)} is empty; point it at a .jsonl/.parquet file "
+                                 "of held-out pairs, or set it to null")
+    max_tokens = d.dynamic_batch.max_tokens
+    if fmt == "preference" and max_tokens is not None and max_tokens < 2 * d.max_length:
+        raise RapidfireError(f"data.dynamic_batch.max_tokens: {max_tokens} cannot hold one preference pair (two rows "
+                             f"of up to data.max_length {d.max_length} tokens); raise it to >= {2 * d.max_length}")
+
+
+def _check_worker_resources(cfg: DictConfig) -> None:
+    """scaling.resources_per_worker: extra Ray resources; CPUs and the GPU switch have their own keys."""
+    for name, amount in cfg.scaling.resources_per_worker.items():
+        key = f"scaling.resources_per_worker.{name}"
+        if name == "CPU":
+            raise RapidfireError(f"{key}: set CPUs with scaling.cpus_per_worker (it is also the workers' torch "
+                                 "thread count); remove CPU here")
+        if name == "GPU" and not cfg.scaling.use_gpu:
+            raise RapidfireError(f"{key}: {amount:g} GPUs per worker need scaling.use_gpu=true (the workers run on "
+                                 "CPU otherwise); set it, or remove GPU here")
+        if not (amount > 0 and amount < float("inf")):
+            raise RapidfireError(f"{key}: {amount} is out of range; allowed: a number above 0 (e.g. 1, or 0.5 to "
+                                 "share one between two workers)")
+
+
+def _check_monitor(cfg: DictConfig) -> None:
+    """monitor.allowed names live knobs only."""
+    from ..telemetry.rules import KNOBS  # noqa: PLC0415 - the knobs live with the rules
+
+    for knob in cfg.monitor.allowed:
+        if knob not in KNOBS:
+            raise RapidfireError(f"monitor.allowed: {_show(knob)} is not a knob a live run can change; use some of: "
+                                 f"{', '.join(KNOBS)} (the gradient codec and the staleness bound are fixed per run)")

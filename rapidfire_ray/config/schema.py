@@ -1,13 +1,13 @@
 """The one typed schema for `train_config.yaml` (OmegaConf structured dataclasses).
 
-Every tunable lives here with its default, its unit and a one-line doc. Values whose
-feature arrives with a later part of the project are listed in `PLANNED` and refused by
-`load.validate` with a one-line error, so a value that is accepted always does what it says.
+Every tunable lives here with its default, its unit and a one-line doc; `CHOICES` and `RANGES`
+say what `load.validate` accepts (anything else is a one-line error), so a value that is accepted
+always does what it says.
 """
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 MISSING_FACTORY = MISSING_DEFAULT = MISSING
 
@@ -58,6 +58,9 @@ class DataSection:
     shard_by_node: bool = opt(True, "each worker reads rows from blocks on its own node where possible "
                                     "(always every row once per epoch)")
     dynamic_batch: DynamicBatchSection = field(default_factory=DynamicBatchSection)
+    eval_path: Optional[str] = opt(None, "train.stage reward: held-out preference pairs (same format as data.path) "
+                                         "scored after training: pairwise accuracy and reward margin in the summary "
+                                         "(null: none)")
 
 
 @dataclass
@@ -119,6 +122,13 @@ class ScalingSection:
                                        "above 20B; see the README for the supported combinations)")
     max_failures: int = opt(0, "worker-group restarts Ray Train may make after a worker dies (each resumes from "
                                "the latest checkpoint); 0 ends the run at the first failure")
+    resources_per_worker: Dict[str, float] = field(default_factory=dict, metadata={
+        "doc": "extra Ray resources each worker asks for, e.g. {accelerator: 1} for a custom resource or "
+               "{GPU: 8} (needs use_gpu); the autoscaler adds nodes that have them ({}: CPUs, and a GPU with "
+               "use_gpu)"})
+    placement_timeout_s: float = opt(900.0, "seconds the driver waits for the cluster (or its autoscaler) to place "
+                                            "every worker, printing what it waits for, before it fails with one "
+                                            "line; 0 waits forever")
 
 
 @dataclass
@@ -148,6 +158,9 @@ class MemorySection:
                                      "budget; level2: + int8 saved activations + allocator defragmentation; "
                                      "level3: + DeepSpeed ZeRO-3 sharding across workers")
     offload_optimizer: bool = opt(False, "level3: keep the optimizer state in CPU memory (ZeRO-Offload)")
+    max_forward_tokens: Optional[int] = opt(None, "padded tokens one forward/backward pass may hold; a larger batch is "
+                                                  "split into pieces accumulated in the same step (null: whole "
+                                                  "batches; a live knob of rapidfire monitor)")
 
 
 @dataclass
@@ -160,6 +173,93 @@ class GuardSection:
 class CheckpointSection:
     every_steps: int = opt(50, "save a Ray Train checkpoint every N optimizer steps (0: only at the end)")
     keep: int = opt(2, "newest checkpoints kept on storage")
+    on_preemption: bool = opt(True, "save a checkpoint right after the current step when a node of the run gets a "
+                                    "preemption notice (a Ray node drain, e.g. a spot interruption); not with "
+                                    "communication.mode parameter_server")
+
+
+@dataclass
+class RewardSection:
+    model: Optional[str] = opt(None, "rl: a sequence-classification checkpoint directory scoring prompt + completion "
+                                     "text (e.g. the reward stage's runs/<name>/model), hosted by the reward actors; "
+                                     "null: rule rewards only")
+    model_required: bool = opt(True, "rl: false lets a profile name a reward model an earlier stage may not have "
+                                     "written: a missing rl.reward.model directory is then skipped (rule rewards "
+                                     "only), with a warning")
+    functions: List[str] = opt(["answer_match"], "rl: built-in rule rewards added to the model's score: "
+                                                 "answer_match (1.0 when the completion states the row's `answer`)")
+    weights: Dict[str, float] = field(default_factory=dict, metadata={
+        "doc": "rl: weight of each reward in the sum, by name ('model' or a function name); unnamed ones weigh 1"})
+    num_actors: int = opt(1, "rl: reward-model actors in the pool, each holding one copy of the model")
+    batch_size: int = opt(16, "rl: (prompt, completion) pairs one actor scores per call")
+    use_gpu: bool = opt(False, "rl: one GPU per reward actor (the pool may sit on other GPUs or nodes than the "
+                               "policy workers)")
+    cpus_per_actor: float = opt(1.0, "rl: CPUs reserved per reward actor (also its torch thread count, at least 1)")
+    resources: Dict[str, float] = field(default_factory=dict, metadata={
+        "doc": "rl: extra Ray resources each reward actor asks for, e.g. {reward_node: 1} to place the pool on the "
+               "nodes that advertise that resource"})
+    max_restarts: int = opt(3, "rl: times Ray restarts a dead reward actor; the batch it held is scored again")
+
+
+@dataclass
+class PPOSection:
+    epochs: int = opt(4, "ppo: passes over each rollout batch")
+    minibatch_size: int = opt(4, "ppo: completions per worker per update (divides train.per_device_batch_size)")
+    clip_range: float = opt(0.2, "ppo: policy ratio clip epsilon")
+    value_clip_range: float = opt(0.2, "ppo: value prediction clip around the rollout's values")
+    gamma: float = opt(1.0, "ppo: discount per token")
+    lam: float = opt(0.95, "ppo: GAE lambda")
+    vf_coef: float = opt(0.1, "ppo: weight of the value loss in the total loss")
+    value_init: str = opt("auto", "ppo: value model initialised from the reward model (reward), the policy's base "
+                                  "model (policy), or auto: the reward model when rl.reward.model is set")
+
+
+@dataclass
+class RLSection:
+    algorithm: str = opt("grpo", "train.stage rl: GRPO or RLOO (TRL's trainers) or classic PPO with a value model")
+    num_generations: int = opt(4, "completions sampled per prompt (grpo/rloo: the group compared); "
+                                  "train.per_device_batch_size counts completions and must be a multiple of it")
+    max_new_tokens: int = opt(64, "most tokens generated per completion; prompts may use data.max_length minus this")
+    temperature: float = opt(1.0, "sampling temperature of the rollouts")
+    kl_beta: float = opt(0.04, "weight of the KL penalty to a frozen reference copy of the starting policy "
+                               "(0: no reference model)")
+    eval_path: Optional[str] = opt(None, "held-out prompts (data.format prompt): task score (answer_match) and mean "
+                                         "reward of the policy before and after training, greedy decoding")
+    eval_max_prompts: int = opt(64, "held-out prompts evaluated at most")
+    reward: RewardSection = field(default_factory=RewardSection)
+    ppo: PPOSection = field(default_factory=PPOSection)
+
+
+@dataclass
+class MonitorSection:
+    adjust: str = opt("off", "auto: rules change the knobs in monitor.allowed while the run trains, each change "
+                             "logged with its reason; off: only watch (--adjust_parameters on train and monitor)")
+    allowed: List[str] = opt(["data.prefetch_depth", "memory.max_forward_tokens"],
+                             "knobs the rules may change (data.prefetch_depth, memory.max_forward_tokens); [] none")
+    interval_s: float = opt(1.0, "seconds between two evaluations of the rules on the workers' step records")
+    window_steps: int = opt(4, "steps (of every worker) a rule looks at; a changed knob is judged again only "
+                               "after a full window with its new value")
+    data_wait_fraction: float = opt(0.05, "data wait above this share of step time doubles data.prefetch_depth")
+    max_prefetch_depth: int = opt(16, "the prefetch rule raises data.prefetch_depth up to this")
+    oom_splits: int = opt(2, "this many out-of-memory batch splits in a window halve memory.max_forward_tokens")
+    memory_headroom: float = opt(0.5, "peak memory below this share of every worker's memory (and no split) doubles "
+                                      "memory.max_forward_tokens again, up to whole batches")
+    comm_latency_p99_s: float = opt(0.5, "comm latency p99 above this (seconds) logs advice: a stronger codec or a "
+                                         "larger staleness bound (neither can switch in a live run)")
+
+
+@dataclass
+class PipelineSection:
+    stages: List[str] = opt(["sft", "reward", "rl"], "train.stage pipeline: the stages to run, in this order, each "
+                                                     "from the previous one's model")
+    sft: Dict[str, Any] = field(default_factory=dict, metadata={
+        "doc": "pipeline: config sections for the SFT stage on top of this file's (e.g. {train: {max_steps: 30}})"})
+    reward: Dict[str, Any] = field(default_factory=dict, metadata={
+        "doc": "pipeline: config sections for the reward stage (its preference data, data.format preference); "
+               "model.name defaults to the SFT stage's model"})
+    rl: Dict[str, Any] = field(default_factory=dict, metadata={
+        "doc": "pipeline: config sections for the RL stage (its prompts, rl.*); the policy defaults to the SFT "
+               "model, rl.reward.model to the reward stage's model"})
 
 
 @dataclass
@@ -174,29 +274,43 @@ class RapidfireConfig:
     memory: MemorySection = field(default_factory=MemorySection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     guard: GuardSection = field(default_factory=GuardSection)
+    rl: RLSection = field(default_factory=RLSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
 
 
-# key -> (values that work now, values planned for a later part of the project)
+# key -> the values it accepts
 CHOICES = {
-    "data.format": (("text", "prompt_completion", "messages", "oasst"), ()),
-    "data.on_bad_row": (("skip", "fail"), ()),
-    "data.overlong": (("truncate", "drop"), ()),
-    "data.dynamic_batch.strategy": (("fixed", "token_budget", "memory_aware"), ()),
-    "train.stage": (("sft",), ("reward", "rl", "pipeline")),
-    "train.lr_scheduler": (("constant", "linear", "cosine"), ()),
-    "train.precision": (("auto", "fp32", "fp16", "bf16", "fp8"), ()),
-    "optimizer.type": (("adamw", "rapidfire_adamw"), ()),
-    "optimizer.params.compression.grad": (("none", "fp16", "1bit", "2bit", "auto"), ()),
-    "optimizer.params.compression.act": (("none", "int8", None), ()),
-    "communication.mode": (("allreduce", "allreduce_compressed", "parameter_server"), ()),
-    "communication.ps.lr_staleness_scaling": (("none", "inverse"), ()),
-    "communication.on_nonfinite": (("skip", "fail"), ()),
-    "scaling.placement": (("PACK", "SPREAD"), ()),
-    "memory.optim_level": (("level0", "level1", "level2", "level3"), ()),
+    "monitor.adjust": ("auto", "off"),
+    "data.format": ("text", "prompt_completion", "messages", "oasst", "prompt", "preference"),
+    "data.on_bad_row": ("skip", "fail"),
+    "data.overlong": ("truncate", "drop"),
+    "data.dynamic_batch.strategy": ("fixed", "token_budget", "memory_aware"),
+    "train.stage": ("sft", "rl", "reward", "pipeline"),
+    "train.lr_scheduler": ("constant", "linear", "cosine"),
+    "train.precision": ("auto", "fp32", "fp16", "bf16", "fp8"),
+    "optimizer.type": ("adamw", "rapidfire_adamw"),
+    "optimizer.params.compression.grad": ("none", "fp16", "1bit", "2bit", "auto"),
+    "optimizer.params.compression.act": ("none", "int8", None),
+    "communication.mode": ("allreduce", "allreduce_compressed", "parameter_server"),
+    "communication.ps.lr_staleness_scaling": ("none", "inverse"),
+    "communication.on_nonfinite": ("skip", "fail"),
+    "scaling.placement": ("PACK", "SPREAD"),
+    "memory.optim_level": ("level0", "level1", "level2", "level3"),
+    "rl.algorithm": ("grpo", "rloo", "ppo"),
+    "rl.ppo.value_init": ("auto", "reward", "policy"),
 }
 
 # key -> (lowest allowed, highest allowed or None), inclusive
 RANGES = {
+    "memory.max_forward_tokens": (8, None),
+    "monitor.interval_s": (0.1, 3600.0),
+    "monitor.window_steps": (1, None),
+    "monitor.data_wait_fraction": (0.0, 1.0),
+    "monitor.max_prefetch_depth": (1, 64),
+    "monitor.oom_splits": (1, None),
+    "monitor.memory_headroom": (0.0, 1.0),
+    "monitor.comm_latency_p99_s": (0.0, None),
     "run.seed": (0, 2**32 - 1),
     "data.max_length": (8, None),
     "data.prefetch_depth": (0, 64),
@@ -222,18 +336,31 @@ RANGES = {
     "scaling.num_workers": (1, None),
     "scaling.cpus_per_worker": (1, None),
     "scaling.max_failures": (0, None),
+    "scaling.placement_timeout_s": (0.0, None),
     "communication.ps.num_shards": (1, None),
     "communication.ps.max_staleness": (0, None),
     "communication.ps.snapshot_every": (0, None),
     "checkpoint.every_steps": (0, None),
     "guard.max_consecutive": (1, None),
     "checkpoint.keep": (1, None),
+    "rl.num_generations": (1, None),
+    "rl.max_new_tokens": (1, None),
+    "rl.temperature": (0.01, 10.0),
+    "rl.kl_beta": (0.0, None),
+    "rl.eval_max_prompts": (1, None),
+    "rl.reward.num_actors": (1, None),
+    "rl.reward.batch_size": (1, None),
+    "rl.reward.cpus_per_actor": (0.0, None),
+    "rl.reward.max_restarts": (0, None),
+    "rl.ppo.epochs": (1, None),
+    "rl.ppo.minibatch_size": (1, None),
+    "rl.ppo.clip_range": (0.0, 10.0),
+    "rl.ppo.value_clip_range": (0.0, None),
+    "rl.ppo.gamma": (0.0, 1.0),
+    "rl.ppo.lam": (0.0, 1.0),
+    "rl.ppo.vf_coef": (0.0, None),
 }
 
-# Which later part of the project brings each planned feature (for the refusal message).
-PLANNED_IN = {
-    "train.stage": "the reward/RL stages release",
-}
 
 
 def reference_markdown() -> str:
@@ -248,8 +375,7 @@ def reference_markdown() -> str:
                 continue
             default = f.default_factory() if f.default is MISSING_DEFAULT else f.default
             if key in CHOICES:
-                now, later = CHOICES[key]
-                allowed = ", ".join("`null`" if v is None else f"`{v}`" for v in now) + "".join(f", `{v}` (*planned*)" for v in later)
+                allowed = ", ".join("`null`" if v is None else f"`{v}`" for v in CHOICES[key])
             elif key in RANGES:
                 low, high = RANGES[key]
                 allowed = f">= {low}" if high is None else f"{low} .. {high}"

@@ -8,6 +8,8 @@ A record is a plain dict with exactly the keys in ``RECORD_KEYS`` and only ``str
 - ``error``: ``""`` for a good record, else a short reason naming the field;
 - ``text`` / ``prompt`` / ``completion`` / ``messages``: the content; unused ones are ``""``.
   ``messages`` is ``json.dumps([{"role": ..., "content": ...}, ...], ensure_ascii=False)``.
+- ``chosen`` / ``rejected``: the two sides of a ``preference`` pair (see ``preference.py``).
+- ``extra``: a ``prompt`` row's other columns (e.g. ``answer``) as a JSON object (see ``prompts.py``).
 
 Bad rows are not fatal here: they come back as records with ``error`` set, and the caller
 counts/reports them or stops at the first one. Everything here is a pure function of its
@@ -21,8 +23,8 @@ from typing import Any
 
 from rapidfire_ray.errors import RapidfireError
 
-FORMATS = ("text", "prompt_completion", "messages", "oasst")
-RECORD_KEYS = ("source", "error", "text", "prompt", "completion", "messages")
+FORMATS = ("text", "prompt_completion", "messages", "oasst", "preference", "prompt")
+RECORD_KEYS = ("source", "error", "text", "prompt", "completion", "messages", "chosen", "rejected", "extra")
 CHAT_ROLES = ("system", "user", "assistant")
 OASST_ROLES = {"prompter": "user", "assistant": "assistant"}
 DROPPED_REASON = "deleted/failed review"
@@ -205,6 +207,16 @@ def normalise(obj: dict, fmt: str) -> dict:
             return _fields("missing field 'messages'")
         msgs, err = _check_messages(obj["messages"], "messages", need_assistant=True)
         return _fields(err) if err else _fields(messages=_dump_messages(msgs))
+    if fmt == "preference":
+        from .preference import normalise_preference
+
+        fields = normalise_preference(obj)
+        return _fields(fields.pop("error"), **fields)
+    if fmt == "prompt":
+        from .prompts import normalise_prompt
+
+        fields = normalise_prompt(obj)
+        return _fields(fields.pop("error"), **fields)
     return _fields(_validate_oasst_row(obj))  # oasst
 
 

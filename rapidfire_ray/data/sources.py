@@ -22,6 +22,8 @@ _PARQUET_COLUMNS = {
     "prompt_completion": ("prompt", "completion"),
     "messages": ("messages",),
     "oasst": ("message_id", "parent_id", "role", "text", "lang", "deleted", "review_result"),
+    "preference": ("prompt", "chosen", "rejected"),
+    "prompt": (),  # every column: the ones besides `prompt` (e.g. `answer`) feed the reward functions
 }
 _PARQUET_BATCH_ROWS = 4096
 

@@ -4,11 +4,13 @@ batch, retry, lower the budget)."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data.backoff import BatchDoesNotFit, OOMBackoff, is_out_of_memory, split_batch
+from ..faults import CRASH, InjectedCrash
 from ..memory.allocator import release_cached
 from ..telemetry.timing import StepTimer, timed_allreduce_hook
 
@@ -32,6 +34,9 @@ class RayStageMixin:
     rf_guard = None  # stages.guard.NanGuard: skip non-finite steps, stop with a diagnosis
     rf_defragment = False  # memory level2+: on OOM free cached blocks and retry once before splitting
     rf_defrag_retries = 0
+    rf_rows_per_sample = 1  # batch rows that must stay together when a batch is split (a reward pair: 2)
+    rf_slowdown = 1.0  # faults.py: an injected straggler's compute slowdown factor
+    rf_crash_step = None  # faults.py: an injected crash when this optimizer step starts
     _rf_hooked = False
 
     def get_train_dataloader(self):
@@ -72,6 +77,8 @@ class RayStageMixin:
         return optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.rf_crash_step is not None and self.state.global_step + 1 == self.rf_crash_step:
+            raise InjectedCrash(f"injected crash at step {self.rf_crash_step} ({CRASH})")
         if self.rf_guard is not None:
             self.rf_guard.see_batch(inputs)
         if not self._rf_hooked and isinstance(model, DistributedDataParallel):
@@ -83,7 +90,12 @@ class RayStageMixin:
         if self.rf_backoff is None:
             self.rf_backoff = OOMBackoff()
         parts = self.rf_backoff.pieces_for(inputs)
-        return self._rf_pieces(model, split_batch(inputs, parts) if parts > 1 else [inputs], num_items_in_batch)
+        return self._rf_pieces(model, self._rf_split(inputs, parts) if parts > 1 else [inputs], num_items_in_batch)
+
+    def _rf_split(self, batch: dict, parts: int) -> list[dict]:
+        """Split a batch into `parts` pieces trained one after the other (a stage whose samples span
+        several rows, such as reward pairs, overrides this)."""
+        return split_batch(batch, parts)
 
     def _rf_pieces(self, model, pieces: list[dict], num_items_in_batch):
         """Forward+backward on each piece, accumulating gradients; only the last piece lets DDP
@@ -113,7 +125,7 @@ class RayStageMixin:
             except _ForwardOutOfMemory as again:
                 error = again
         self._rf_split_or_fail(error, piece)
-        return self._rf_pieces(model, split_batch(piece, 2), num_items_in_batch)
+        return self._rf_pieces(model, self._rf_split(piece, 2), num_items_in_batch)
 
     def _rf_split_or_fail(self, oom: _ForwardOutOfMemory, piece: dict) -> None:
         """Lower this rank's budget for batches like `piece` (the caller retries it in halves), or
@@ -125,9 +137,9 @@ class RayStageMixin:
                 f"out of memory on a batch of {rows} x {width} tokens at step {self.state.global_step + 1} under "
                 f"ZeRO-3, where a batch cannot be split and retried ({str(oom.error).splitlines()[0][:160]}); lower "
                 "train.per_device_batch_size, data.max_length or data.dynamic_batch.memory_threshold") from oom.error
-        if rows == 1:
+        if rows <= self.rf_rows_per_sample:
             raise BatchDoesNotFit(
-                f"out of memory on a single row of {width} tokens at step {self.state.global_step + 1} "
+                f"out of memory on a single {'row' if rows == 1 else f'sample ({rows} rows)'} of {width} tokens at step {self.state.global_step + 1} "
                 f"({str(oom.error).splitlines()[0][:160]}); lower data.max_length, lower "
                 "data.dynamic_batch.memory_threshold, raise memory.optim_level or give each worker more memory"
             ) from oom.error
@@ -137,8 +149,12 @@ class RayStageMixin:
 
     def _rf_timed_step(self, model, inputs, num_items_in_batch):
         forward_before = self.rf_timer.seconds("forward")
+        start = time.perf_counter()
         with self.rf_timer.phase("backward"):
             loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.rf_slowdown > 1.0:  # an injected straggler: its compute takes rf_slowdown x as long
+                compute = time.perf_counter() - start - self.rf_timer.comm_seconds_since(start)
+                time.sleep((self.rf_slowdown - 1.0) * max(0.0, compute))
         # training_step = forward (timed in compute_loss) + backward; keep them apart.
         self.rf_timer.add("backward", forward_before - self.rf_timer.seconds("forward"))
         return loss

@@ -84,14 +84,6 @@ def test_bad_values_name_key_value_and_allowed(override, expected):
     assert expected in error_of(None, [override])
 
 
-@pytest.mark.parametrize("override, later", [
-    ("train.stage=pipeline", "reward/RL"),
-])
-def test_planned_values_are_refused_until_their_feature_exists(override, later):
-    msg = error_of(None, [override])
-    assert "is not available yet" in msg and later in msg
-
-
 @pytest.mark.parametrize("overrides, expected", [
     (["memory.optim_level=level3", "scaling.num_workers=1"], "meaningless with scaling.num_workers 1"),
     (["scaling.hybrid_parallel=true", "scaling.num_workers=1"], "scaling.hybrid_parallel shards parameters"),

@@ -43,8 +43,9 @@ def err(obj, fmt):
 
 
 def test_constants():
-    assert FORMATS == ("text", "prompt_completion", "messages", "oasst")
-    assert RECORD_KEYS == ("source", "error", "text", "prompt", "completion", "messages")
+    assert FORMATS == ("text", "prompt_completion", "messages", "oasst", "preference", "prompt")
+    assert RECORD_KEYS == ("source", "error", "text", "prompt", "completion", "messages", "chosen", "rejected",
+                           "extra")
 
 
 def test_unknown_format_is_a_rapidfire_error():
@@ -62,7 +63,7 @@ def test_make_record_fills_every_key():
     rec = make_record("f.jsonl:3", text="hello")
     assert check_records([rec]) == [
         {"source": "f.jsonl:3", "error": "", "text": "hello", "prompt": "", "completion": "",
-         "messages": ""}
+         "messages": "", "chosen": "", "rejected": "", "extra": ""}
     ]
     bad = make_record("f.jsonl:4", "boom", text="dropped")
     assert bad["error"] == "boom" and bad["text"] == ""
@@ -74,7 +75,7 @@ def test_make_record_fills_every_key():
 def test_text_good():
     fields = norm({"text": "Hello, wörld", "id": 7}, "text")
     assert fields == {"error": "", "text": "Hello, wörld", "prompt": "", "completion": "",
-                      "messages": ""}
+                      "messages": "", "chosen": "", "rejected": "", "extra": ""}
 
 
 def test_text_bad():
