@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -32,7 +33,7 @@ from .memory.levels import MemoryOptions  # noqa: E402
 from .models import load_tokenizer  # noqa: E402
 from .atomic import atomic_write_json, atomic_write_jsonl
 from .ps.driver import SHARD_CPUS, ParameterServer  # noqa: E402
-from .placement import wait_for_workers  # noqa: E402
+from .placement import on_driver_node, wait_for_workers  # noqa: E402
 from .recovery import recovery_line, recovery_summary  # noqa: E402
 from .results import (  # noqa: E402
            export_model,
@@ -96,9 +97,10 @@ def _probe(address: str) -> None:
                              "is running there") from None
 
 
-def connect(address: str | None, cfg: DictConfig) -> None:
+def connect(address: str | None, cfg: DictConfig, extra_cpus: float = 0.0) -> None:
     """Join the cluster at `address`/RAY_ADDRESS (a `ray job submit` job has it set), reuse an
-    already connected one, or start an embedded local cluster."""
+    already connected one, or start an embedded local cluster big enough for the workers and
+    `extra_cpus` (the run's actors: the RL reward pool)."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -114,11 +116,11 @@ def connect(address: str | None, cfg: DictConfig) -> None:
                                  "cluster is up, and RAY_AUTH_MODE=token with its token for a token-auth cluster")
         say(f"connected to Ray cluster at {address}")
         return
-    need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + extra_cpus
     if cfg.communication.mode == "parameter_server":  # the shard actors' share (one shard by default here)
         need += math.ceil(SHARD_CPUS * (cfg.communication.ps.num_shards or 1))
     # One CPU beyond the workers' share, so Ray Data can still run tasks while they train.
-    num_cpus = max(os.cpu_count() or 1, need + 1)
+    num_cpus = max(os.cpu_count() or 1, math.ceil(need) + 1)
     ray.init(num_cpus=num_cpus, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
     say(f"started an embedded local Ray cluster ({num_cpus} CPUs)")
 
@@ -154,8 +156,55 @@ def _trainer_class(cfg: DictConfig):
     return TorchTrainer
 
 
-def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
+def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_config, start_line: str,
+                control=None, trainer_class=None, extra_env: dict | None = None, max_failures: int | None = None):
+    """Ray Train's worker group for a run, started and watched: the workers' resource request
+    made visible (and bounded by scaling.placement_timeout_s) while the cluster or its autoscaler
+    cannot place it, the workers' environment (ours, injected faults, `extra_env`), failures
+    survived up to scaling.max_failures (or `max_failures`), the progress line and live control
+    printed while it trains. Returns Ray Train's Result; a failed run raises RunFailed."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = (trainer_class or TorchTrainer)(
+        loop,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
+                                                           **cfg.scaling.resources_per_worker},
+                                     placement_strategy=cfg.scaling.placement),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=os.path.abspath(cfg.run.output_dir),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            failure_config=FailureConfig(max_failures=cfg.scaling.max_failures if max_failures is None
+                                         else max_failures),
+            logging_config=LoggingConfig(log_level="WARNING"),
+            worker_runtime_env={"env_vars": {**WORKER_ENV, **faults.worker_env(),
+                                             # an injected slow data source (tests, demonstrations)
+                                             **({DATA_DELAY_ENV: os.environ[DATA_DELAY_ENV]}
+                                                if os.environ.get(DATA_DELAY_ENV) else {}),
+                                             "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker),
+                                             **(extra_env or {})}},
+        ),
+        datasets={TRAIN: ds},
+        dataset_config=dataset_config,
+    )
+    scaling = trainer.scaling_config
+    wait_for_workers(scaling._resources_per_worker_not_none, cfg.scaling.num_workers, cfg.scaling.placement,
+                     cfg.scaling.placement_timeout_s, say)
+    say(start_line)
+    with ProgressPrinter(board), (ControlWatcher(control) if control is not None else contextlib.nullcontext()):
+        try:
+            result = trainer.fit()
+        except Exception as e:
+            raise RunFailed(f"training failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    if result.error is not None:
+        raise RunFailed(f"training failed: {result.error}")
+    return result
+
+
+def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
 
     if cfg.train.stage == "pipeline":  # SFT -> reward -> RL, each stage a run of its own
         from .pipeline import run_pipeline
@@ -193,60 +242,29 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     lengths = dynamic_batch_lengths(cfg, ds)
     memory_options = MemoryOptions.from_config(cfg)
     plain = OmegaConf.to_container(cfg, resolve=True)
-    ps = None
-    if cfg.communication.mode == "parameter_server":
-        ps = ParameterServer(cfg, run_dir, resume=resume)
-        say(f"parameter server: {ps.num_shards} shard actor(s), codec {cfg.optimizer.params.compression.grad}, "
-            f"max_staleness {cfg.communication.ps.max_staleness}")
-    board = ProgressBoard.remote()
-    control = run_control(cfg, board)
-    sample_rows = preference.sample_rows(ds) if cfg.data.format == preference.NAME else \
-        [{"input_ids": [int(t) for t in r["input_ids"]],
-          "labels": [int(t) if m else -100 for t, m in zip(r["input_ids"], r["loss_mask"])]} for r in ds.take(2)]
-    trainer = _trainer_class(cfg)(
-        train_loop_per_worker,
-        train_loop_config={"cfg": plain, "num_rows": report.rows, "board": board, "sample_rows": sample_rows,
-                           "lengths": lengths, "ps_shards": ps.handles if ps is not None else None,
-                           "control": control},
-        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
-                                                           **cfg.scaling.resources_per_worker},
-                                     placement_strategy=cfg.scaling.placement),
-        run_config=RunConfig(
-            name=cfg.run.name,
-            storage_path=os.path.abspath(cfg.run.output_dir),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
-            logging_config=LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": {**WORKER_ENV, **faults.worker_env(),
-                                             # an injected slow data source (tests, demonstrations)
-                                             **({DATA_DELAY_ENV: os.environ[DATA_DELAY_ENV]}
-                                                if os.environ.get(DATA_DELAY_ENV) else {}),
-                                             "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker),
-                                             **(allocator.worker_env() if memory_options.defragment else {}),
-                                             # a CPU worker on a GPU node must not pick DeepSpeed's CUDA side
-                                             **({"DS_ACCELERATOR": "cpu"} if memory_options.zero_stage
-                                                and not cfg.scaling.use_gpu else {})}},
-        ),
-        datasets={TRAIN: ds},
-        dataset_config=ExactSplitDataConfig(shard_by_node=cfg.data.shard_by_node, board=board,
-                                            saved_plan=saved_shard_plan(run_dir) if resume else None),
-    )
-    # The workers' resource request, visible (and bounded by scaling.placement_timeout_s) while the
-    # cluster or its autoscaler cannot place it; Ray Train itself would retry silently forever.
-    scaling = trainer.scaling_config
-    wait_for_workers(scaling._resources_per_worker_not_none, cfg.scaling.num_workers, cfg.scaling.placement,
-                     cfg.scaling.placement_timeout_s, say)
-    say(f"training: stage {cfg.train.stage}, model {cfg.model.name}, {cfg.scaling.num_workers} worker(s)"
-        + (", resuming from the latest checkpoint" if resume else ""))
+    ps = control = None
+    board = ProgressBoard.options(scheduling_strategy=on_driver_node()).remote()
     try:
-        with ProgressPrinter(board), ControlWatcher(control):
-            try:
-                result = trainer.fit()
-            except Exception as e:
-                raise RunFailed(f"training failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-        if result.error is not None:
-            raise RunFailed(f"training failed: {result.error}")
+        if cfg.communication.mode == "parameter_server":
+            ps = ParameterServer(cfg, run_dir, resume=resume)
+            say(f"parameter server: {ps.num_shards} shard actor(s), codec {cfg.optimizer.params.compression.grad}, "
+                f"max_staleness {cfg.communication.ps.max_staleness}")
+        control = run_control(cfg, board)
+        sample_rows = preference.sample_rows(ds) if cfg.data.format == preference.NAME else \
+            [{"input_ids": [int(t) for t in r["input_ids"]],
+              "labels": [int(t) if m else -100 for t, m in zip(r["input_ids"], r["loss_mask"])]} for r in ds.take(2)]
+        result = fit_workers(
+            cfg, train_loop_per_worker,
+            {"cfg": plain, "num_rows": report.rows, "board": board, "sample_rows": sample_rows, "lengths": lengths,
+             "ps_shards": ps.handles if ps is not None else None, "control": control},
+            ds=ds, board=board, control=control, trainer_class=_trainer_class(cfg),
+            dataset_config=ExactSplitDataConfig(shard_by_node=cfg.data.shard_by_node, board=board,
+                                                saved_plan=saved_shard_plan(run_dir) if resume else None),
+            extra_env={**(allocator.worker_env() if memory_options.defragment else {}),
+                       # a CPU worker on a GPU node must not pick DeepSpeed's CUDA side
+                       **({"DS_ACCELERATOR": "cpu"} if memory_options.zero_stage and not cfg.scaling.use_gpu else {})},
+            start_line=f"training: stage {cfg.train.stage}, model {cfg.model.name}, {cfg.scaling.num_workers} worker(s)"
+            + (", resuming from the latest checkpoint" if resume else ""))
         snapshot = ray.get(board.snapshot.remote())
         memory_model = ray.get(board.get.remote("memory_model"))
         memory = ray.get(board.get.remote("memory"))
@@ -260,7 +278,8 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             ps_clients = [ray.get(board.get.remote(f"ps_client/{r}")) for r in range(cfg.scaling.num_workers)]
             ps_shards = ps.stats()
     finally:
-        stop_control(control, cfg.run.name)
+        if control is not None:
+            stop_control(control, cfg.run.name)
         ray.kill(board)
         if ps is not None:
             ps.stop()

@@ -18,6 +18,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from .errors import RapidfireError
 
 
+def on_driver_node():
+    """A scheduling strategy for the run's own small actors (progress board, control): on the
+    driver's node, not soft. A run's state must not sit on a worker node that a preemption or a
+    crash takes away while the driver (and the run) goes on; the driver's node lives as long as
+    the run does."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def _show(resources: dict) -> str:
     """{CPU: 1, GPU: 8} with integral amounts without '.0'."""
     parts = []

@@ -13,12 +13,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..atomic import atomic_write_json, atomic_write_jsonl
 from ..data.prompts import build_prompt_dataset, row_columns
-from ..data.sharding import TRAIN, ExactSplitDataConfig
-from ..errors import RapidfireError, RunFailed
-from ..launcher import WORKER_ENV, connect, run_dir_of, say
+from ..data.sharding import ExactSplitDataConfig
+from ..errors import RapidfireError
+from ..launcher import connect, fit_workers, run_dir_of, say
 from ..models import load_tokenizer
 from ..results import export_model, summarise
-from ..telemetry.progress import ProgressBoard, ProgressPrinter
+from ..placement import on_driver_node
+from ..telemetry.progress import ProgressBoard
 from .reward_pool import check_reward_model, kill_actors, launch_reward_actors, same_vocabulary
 from .telemetry import RL_PHASES, UPDATE_PHASES
 
@@ -45,22 +46,7 @@ def resolve_reward_model(cfg: DictConfig) -> str | None:
                          "rl.reward.model_required=false to run on rule rewards when it is missing")
 
 
-def _connect(address: str | None, cfg: DictConfig) -> None:
-    """As `launcher.connect`, counting the reward actors' CPUs in an embedded cluster."""
-    if not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS")):
-        need = (cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
-                + (cfg.rl.reward.num_actors * cfg.rl.reward.cpus_per_actor if cfg.rl.reward.model else 0))
-        num_cpus = max(os.cpu_count() or 1, int(need + 0.999) + 1)
-        ray.init(num_cpus=num_cpus, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
-        say(f"started an embedded local Ray cluster ({num_cpus} CPUs)")
-        return
-    connect(address, cfg)
-
-
 def run_rl(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     from .worker import rl_loop_per_worker
 
     t_start = time.time()
@@ -86,7 +72,8 @@ def run_rl(cfg: DictConfig, *, address: str | None = None, resume: bool = False)
     if glob.glob(os.path.join(run_dir, "checkpoint-*")) or os.path.exists(os.path.join(run_dir, "run_summary.json")):
         raise RapidfireError(f"run.name: '{cfg.run.name}' already has a run in {run_dir}; choose another run.name, or "
                              "remove that folder to train again (an RL run cannot be resumed; nothing was overwritten)")
-    _connect(address, cfg)
+    # The reward actors' CPUs count when an embedded cluster is sized.
+    connect(address, cfg, extra_cpus=cfg.rl.reward.num_actors * cfg.rl.reward.cpus_per_actor if reward_path else 0)
 
     say(f"reading prompts from {cfg.data.path} (prompt) with Ray Data")
     num_cpus = max(1, int(ray.available_resources().get("CPU", 1)) - 1)
@@ -102,39 +89,21 @@ def run_rl(cfg: DictConfig, *, address: str | None = None, resume: bool = False)
         say(f"held-out prompts: {len(eval_rows)} from {cfg.rl.eval_path}")
 
     actors = []
-    board = ProgressBoard.remote()
+    board = ProgressBoard.options(scheduling_strategy=on_driver_node()).remote()
     try:
         if reward_path:
             actors = launch_reward_actors(cfg, reward_path)
             say(f"reward pool: {len(actors)} actor(s) hosting {reward_path}"
                 + ("" if matches else " (its tokenizer differs from the policy's: it scores re-tokenised text)"))
-        trainer = TorchTrainer(
-            rl_loop_per_worker,
-            train_loop_config={"cfg": OmegaConf.to_container(cfg, resolve=True), "num_rows": report.rows,
-                               "board": board, "reward_actors": actors, "eval_rows": eval_rows,
-                               "reward_model": reward_path, "value_init": value_init},
-            scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                         resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
-                                         placement_strategy=cfg.scaling.placement),
-            run_config=RunConfig(
-                name=cfg.run.name, storage_path=os.path.abspath(cfg.run.output_dir),
-                checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-                failure_config=FailureConfig(max_failures=0),
-                logging_config=LoggingConfig(log_level="WARNING"),
-                worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker)}},
-            ),
-            datasets={TRAIN: ds},
-            dataset_config=ExactSplitDataConfig(shard_by_node=cfg.data.shard_by_node, board=board),
-        )
-        say(f"training: stage rl ({cfg.rl.algorithm}), policy {cfg.model.name}, {cfg.scaling.num_workers} worker(s), "
-            f"rewards: {', '.join((['model'] if reward_path else []) + list(cfg.rl.reward.functions))}")
-        with ProgressPrinter(board):
-            try:
-                result = trainer.fit()
-            except Exception as e:
-                raise RunFailed(f"training failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-        if result.error is not None:
-            raise RunFailed(f"training failed: {result.error}")
+        result = fit_workers(
+            cfg, rl_loop_per_worker,
+            {"cfg": OmegaConf.to_container(cfg, resolve=True), "num_rows": report.rows, "board": board,
+             "reward_actors": actors, "eval_rows": eval_rows, "reward_model": reward_path, "value_init": value_init},
+            ds=ds, board=board, dataset_config=ExactSplitDataConfig(shard_by_node=cfg.data.shard_by_node, board=board),
+            max_failures=0,  # an RL run keeps no mid-run checkpoints to restart from
+            start_line=f"training: stage rl ({cfg.rl.algorithm}), policy {cfg.model.name}, "
+            f"{cfg.scaling.num_workers} worker(s), rewards: "
+            f"{', '.join((['model'] if reward_path else []) + list(cfg.rl.reward.functions))}")
         snapshot = ray.get(board.snapshot.remote())
         facts = {k: ray.get(board.get.remote(k)) for k in ("rl/eval_before", "rl/eval_after")}
         pools = [ray.get(board.get.remote(f"rl/pool/{r}")) for r in range(cfg.scaling.num_workers)]

@@ -40,7 +40,7 @@ from ..errors import RapidfireError
 from ..telemetry.timing import timed_allreduce_hook
 from . import ppo_math
 from .reward_pool import RewardPool
-from .telemetry import RLStepTimer, step_record
+from .telemetry import RLStepTimer, publish, step_record
 
 
 class ValueModel(nn.Module):
@@ -116,7 +116,7 @@ class _Global:
 
 
 def train_ppo(cfg: dict, policy, tokenizer, rows: list[dict], pool: RewardPool, timer: RLStepTimer, board,
-              rank: int, world: int, device, *, reward_model: str | None, value_init: str):
+              rank: int, world: int, device, *, reward_model: str | None, value_init: str, worker_metrics=None):
     rl, ppo, t, o = cfg["rl"], cfg["rl"]["ppo"], cfg["train"], cfg["optimizer"]["params"]
     G = rl["num_generations"]
     batch = t["per_device_batch_size"]
@@ -239,8 +239,6 @@ def train_ppo(cfg: dict, policy, tokenizer, rows: list[dict], pool: RewardPool, 
                              tokens=0, rl=metrics, pool_counts=pool.take())
         record["tokens"] = record["padded_tokens"] = timer.generated_tokens
         timer.generated_tokens = 0
-        board.push_step.remote(record)
-        if rank == 0:
-            board.push_log.remote({"step": step, "loss": metrics["policy_loss"] + ppo["vf_coef"] * metrics["value_loss"],
-                                   "reward": metrics["reward"], "kl": metrics["kl"]})
+        publish(board, worker_metrics, record, {"step": step, "reward": metrics["reward"], "kl": metrics["kl"],
+                                             "loss": metrics["policy_loss"] + ppo["vf_coef"] * metrics["value_loss"]})
     return policy

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import time
 
-from transformers import TrainerCallback
-
+from ..telemetry.callback import OptimizerClock
 from ..telemetry.timing import StepTimer, peak_memory_bytes
 
 RL_PHASES = ("rollout", "reward")
@@ -47,7 +46,18 @@ def step_record(*, rank: int, step: int, phases: dict, completions: int, tokens:
             **pool_counts}
 
 
-class TRLStepCallback(TrainerCallback):
+def publish(board, metrics, record: dict, log: dict) -> None:
+    """A finished step: its record to the progress board and Ray's metrics endpoint, and (rank 0)
+    its logged loss, reward and KL (the progress line, the run summary's loss curve)."""
+    board.push_step.remote(record)
+    if metrics is not None:
+        metrics.log(log)
+        metrics.step(record)
+    if record["rank"] == 0:
+        board.push_log.remote(log)
+
+
+class TRLStepCallback(OptimizerClock):
     """For GRPO/RLOO: times the optimizer, and at each step's end pushes this rank's record with
     the step's RL metrics (TRL's `_metrics`, gathered over ranks by TRL), then drops them so the
     next step starts clean."""
@@ -56,13 +66,13 @@ class TRLStepCallback(TrainerCallback):
             "clip_ratio/region_mean": "clip_fraction", "completions/mean_length": "completion_length",
             "frac_reward_zero_std": "frac_reward_zero_std"}
 
-    def __init__(self, *, board, timer: RLStepTimer, pool, rank: int):
+    def __init__(self, *, board, timer: RLStepTimer, pool, rank: int, metrics=None):
         self.board = board
+        self.metrics = metrics  # telemetry.metrics.WorkerMetrics
         self.timer = timer
         self.pool = pool
         self.rank = rank
         self.trainer = None  # set after the trainer is built
-        self._opt_start = None
         self._completions = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -70,14 +80,6 @@ class TRLStepCallback(TrainerCallback):
         self.timer.generated_tokens = 0
         if self.rank == 0:
             self.board.set_plan.remote(state.max_steps, state.global_step)
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._opt_start = time.perf_counter()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        if self._opt_start is not None:
-            self.timer.add("optimizer", time.perf_counter() - self._opt_start)
-            self._opt_start = None
 
     def on_step_end(self, args, state, control, **kwargs):
         metrics = self.trainer._metrics["train"]
@@ -91,10 +93,8 @@ class TRLStepCallback(TrainerCallback):
                 rl[key[len("rewards/"):-len("/mean")]] = sum(values) / len(values)
         tokens, self.timer.generated_tokens = self.timer.generated_tokens, 0
         completions, self.trainer.rf_completions = self.trainer.rf_completions, 0
-        self.board.push_step.remote(step_record(rank=self.rank, step=state.global_step, phases=self.timer.take(),
-                                                completions=completions, tokens=tokens, rl=rl,
-                                                pool_counts=self.pool.take()))
-        if self.rank == 0:
-            self.board.push_log.remote({"step": state.global_step, "loss": self.trainer.rf_last_loss,
-                                        "reward": rl.get("reward"), "kl": rl.get("kl")})
+        record = step_record(rank=self.rank, step=state.global_step, phases=self.timer.take(),
+                             completions=completions, tokens=tokens, rl=rl, pool_counts=self.pool.take())
+        publish(self.board, self.metrics, record, {"step": state.global_step, "loss": self.trainer.rf_last_loss,
+                                                   "reward": rl.get("reward"), "kl": rl.get("kl")})
         return control

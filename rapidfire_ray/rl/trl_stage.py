@@ -28,6 +28,7 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.trainer.utils import RepeatSampler, identity
 
+from ..stages.base import trainer_args
 from ..telemetry.timing import timed_allreduce_hook
 from .reward_pool import RewardPool, rows_from_columns
 
@@ -121,33 +122,13 @@ def reward_functions(pool: RewardPool) -> list:
 
 def trl_args(cfg: dict, output_dir: str, use_cpu: bool, weights: list[float]):
     """GRPOConfig or RLOOConfig from our config (the keys both share)."""
-    t, o, rl = cfg["train"], cfg["optimizer"]["params"], cfg["rl"]
-    cls = GRPOConfig if rl["algorithm"] == "grpo" else RLOOConfig
-    return cls(
-        output_dir=output_dir,
-        max_steps=t["max_steps"],
-        num_train_epochs=t["epochs"],
-        per_device_train_batch_size=t["per_device_batch_size"],
-        gradient_accumulation_steps=t["gradient_accumulation_steps"],
-        max_grad_norm=t["grad_clip"],
-        lr_scheduler_type=t["lr_scheduler"],
-        warmup_steps=t["warmup_steps"],
-        learning_rate=o["lr"],
-        weight_decay=o["weight_decay"],
-        adam_beta1=o["betas"][0],
-        adam_beta2=o["betas"][1],
-        adam_epsilon=o["eps"],
+    rl = cfg["rl"]
+    return trainer_args(
+        GRPOConfig if rl["algorithm"] == "grpo" else RLOOConfig, cfg, output_dir, use_cpu,
         logging_steps=1,  # TRL's per-step metrics are read at each step's end (telemetry.TRLStepCallback)
         save_strategy="no",  # the final policy is saved by the worker (rl.worker)
-        seed=cfg["run"]["seed"],
-        use_cpu=use_cpu,
         bf16=cfg["train"]["precision"] == "bf16",
-        fp16=False,
         gradient_checkpointing=False,
-        report_to="none",
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        ddp_find_unused_parameters=False,
         num_generations=rl["num_generations"],
         max_completion_length=rl["max_new_tokens"],
         temperature=rl["temperature"],

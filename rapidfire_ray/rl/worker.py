@@ -15,6 +15,7 @@ from ..data.prompts import row_columns
 from ..data.sharding import TRAIN
 from ..models import load_model, load_tokenizer
 from ..models.registry import save_pretrained_atomic
+from ..telemetry.metrics import WorkerMetrics
 from .evaluate import evaluate
 from .reward_pool import RewardPool
 from .telemetry import RLStepTimer, TRLStepCallback
@@ -29,6 +30,9 @@ def rl_loop_per_worker(config: dict) -> None:
     torch.set_num_threads(cfg["scaling"]["cpus_per_worker"])
     torch.manual_seed(cfg["run"]["seed"])
     board = config["board"]
+    # This worker's metrics on Ray's endpoint (the dashboard's Metrics view), as SFT's workers.
+    metrics = WorkerMetrics(cfg["run"]["name"], rank, cfg["train"]["log_every_steps"],
+                            threads=cfg["scaling"]["cpus_per_worker"])
 
     tokenizer = load_tokenizer(cfg["model"]["name"])
     model = load_model(cfg["model"]["name"], dtype=torch.float32)
@@ -49,7 +53,7 @@ def rl_loop_per_worker(config: dict) -> None:
 
             from .trl_stage import build_trl_trainer, unwrap
 
-            callback = TRLStepCallback(board=board, timer=timer, pool=pool, rank=rank)
+            callback = TRLStepCallback(board=board, timer=timer, pool=pool, rank=rank, metrics=metrics)
             trainer = build_trl_trainer(cfg, model, tokenizer, Dataset.from_list(rows), pool, callback, scratch,
                                         use_cpu=not use_gpu)
             trainer.rf_timer = timer
@@ -60,7 +64,8 @@ def rl_loop_per_worker(config: dict) -> None:
 
             device = ray.train.torch.get_device()
             policy = train_ppo(cfg, model, tokenizer, rows, pool, timer, board, rank, world, device,
-                               reward_model=config.get("reward_model"), value_init=config["value_init"])
+                               reward_model=config.get("reward_model"), value_init=config["value_init"],
+                               worker_metrics=metrics)
         policy.eval()
         ray.get(board.put.remote(f"rl/pool/{rank}", dict(pool.total)))
         if rank == 0 and eval_rows:

@@ -15,6 +15,46 @@ from ..memory.allocator import release_cached
 from ..telemetry.timing import StepTimer, timed_allreduce_hook
 
 
+def trainer_args(config_cls, cfg: dict, output_dir: str, use_cpu: bool, **overrides):
+    """A TRL trainer's arguments (`SFTConfig`, `RewardConfig`, `GRPOConfig`, ...) from our config:
+    the run settings every stage shares, then the stage's own `overrides` (which win)."""
+    t, o = cfg["train"], cfg["optimizer"]["params"]
+    every = cfg["checkpoint"]["every_steps"]
+    args = dict(
+        output_dir=output_dir,
+        max_steps=t["max_steps"],
+        num_train_epochs=t["epochs"],
+        per_device_train_batch_size=t["per_device_batch_size"],
+        gradient_accumulation_steps=t["gradient_accumulation_steps"],
+        max_grad_norm=t["grad_clip"],
+        lr_scheduler_type=t["lr_scheduler"],
+        warmup_steps=t["warmup_steps"],
+        learning_rate=o["lr"],
+        weight_decay=o["weight_decay"],
+        adam_beta1=o["betas"][0],
+        adam_beta2=o["betas"][1],
+        adam_epsilon=o["eps"],
+        logging_steps=t["log_every_steps"],
+        save_strategy="steps",
+        save_steps=every if every > 0 else 10**9,  # the callback also saves the last step
+        seed=cfg["run"]["seed"],
+        use_cpu=use_cpu,
+        # TRL defaults to bf16 and gradient checkpointing; precision and memory options are ours
+        # (memory/precision.py, memory/checkpointing.py).
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        disable_tqdm=True,
+        # Rows arrive from our loader, which skips already-trained batches itself.
+        ignore_data_skip=True,
+        remove_unused_columns=False,
+        ddp_find_unused_parameters=False,
+        save_only_model=False,
+    )
+    args.update(overrides)
+    return config_cls(**args)
+
+
 class _ForwardOutOfMemory(Exception):
     """An out-of-memory error raised in the forward pass (nothing was accumulated or exchanged yet)."""
 

@@ -15,7 +15,7 @@ from trl import RewardConfig, RewardTrainer
 
 from ..data.preference import split_pairs
 from ..memory.precision import Precision
-from .base import RayStageMixin
+from .base import RayStageMixin, trainer_args
 
 
 class _PairLoss(RewardTrainer):
@@ -65,38 +65,12 @@ class RayRewardTrainer(RayStageMixin, _PairLoss):
 
 def reward_args(cfg: dict, output_dir: str, use_cpu: bool, precision: Precision | None = None,
                 deepspeed: dict | None = None) -> RewardConfig:
-    """The trainer's arguments (the same run settings as SFT's, see `stages/sft.py`)."""
-    t, o = cfg["train"], cfg["optimizer"]["params"]
-    every = cfg["checkpoint"]["every_steps"]
-    return RewardConfig(
-        output_dir=output_dir,
-        max_steps=t["max_steps"],
-        num_train_epochs=t["epochs"],
-        per_device_train_batch_size=t["per_device_batch_size"],
-        gradient_accumulation_steps=t["gradient_accumulation_steps"],
-        max_grad_norm=t["grad_clip"],
-        lr_scheduler_type=t["lr_scheduler"],
-        warmup_steps=t["warmup_steps"],
-        learning_rate=o["lr"],
-        weight_decay=o["weight_decay"],
-        adam_beta1=o["betas"][0],
-        adam_beta2=o["betas"][1],
-        adam_epsilon=o["eps"],
-        logging_steps=t["log_every_steps"],
-        save_strategy="steps",
-        save_steps=every if every > 0 else 10**9,  # the callback also saves the last step
-        seed=cfg["run"]["seed"],
-        use_cpu=use_cpu,
-        # TRL defaults to bf16 and gradient checkpointing; precision and memory options are ours.
-        **(precision.trainer_flags() if precision is not None else {"bf16": False, "fp16": False}),
+    """The trainer's arguments: the run settings every stage shares (`stages.base.trainer_args`)."""
+    return trainer_args(
+        RewardConfig, cfg, output_dir, use_cpu,
+        **(precision.trainer_flags() if precision is not None else {}),
         activation_checkpointing=False,
-        report_to="none",
-        disable_tqdm=True,
         max_length=cfg["data"]["max_length"],
-        ignore_data_skip=True,
-        remove_unused_columns=False,
-        ddp_find_unused_parameters=False,
-        save_only_model=False,
         deepspeed=deepspeed,
     )
 

@@ -16,7 +16,21 @@ from .timing import StepTimer, peak_memory_bytes
 SHARD_PLAN_FILE = "shard_plan.json"
 
 
-class RayRunCallback(TrainerCallback):
+class OptimizerClock(TrainerCallback):
+    """Times the optimizer step into `self.timer`'s `optimizer` phase."""
+
+    _opt_start = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._opt_start = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._opt_start is not None:
+            self.timer.add("optimizer", time.perf_counter() - self._opt_start)
+            self._opt_start = None
+
+
+class RayRunCallback(OptimizerClock):
     def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int, shard_plan: dict | None = None,
                  backoff=None, comm=None, memory=None, metrics=None, knobs=None, memory_limit_bytes=None,
                  preemption=None):
@@ -30,7 +44,6 @@ class RayRunCallback(TrainerCallback):
         self._oom_seen = 0
         self.comm = comm  # comm.training.TrainerComm: bytes, latency, compression, skipped steps
         self.memory = memory  # memory.setup.WorkerMemory: saved-activation bytes per step
-        self._opt_start = None
         self._counts = (0, 0, 0)
         self._last_loss = None
         self.metrics = metrics  # telemetry.metrics.WorkerMetrics: Ray's metrics endpoint
@@ -53,13 +66,8 @@ class RayRunCallback(TrainerCallback):
         loader = self.loader
         return loader.rows_yielded, loader.tokens_yielded, loader.padded_tokens_yielded
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._opt_start = time.perf_counter()
-
     def on_optimizer_step(self, args, state, control, **kwargs):
-        if self._opt_start is not None:
-            self.timer.add("optimizer", time.perf_counter() - self._opt_start)
-            self._opt_start = None
+        super().on_optimizer_step(args, state, control, **kwargs)
         if self.comm is not None:
             self.comm.after_optimizer_step()
 

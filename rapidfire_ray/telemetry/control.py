@@ -24,6 +24,7 @@ import time
 import ray
 
 from .rules import KNOBS, RuleState, Settings, evaluate
+from .progress import Poller
 
 NAMESPACE = "rapidfire"
 PREFIX = "rapidfire-control-"
@@ -167,13 +168,15 @@ def start_control(run: str, board, settings: Settings, knobs: dict, **kw):
     """The run's control actor, named for `rapidfire monitor`. A live actor of that name means the
     run is running already: RapidfireError."""
     from ..errors import RapidfireError
+    from ..placement import on_driver_node
 
     name = control_name(run)
     job = ray.get_runtime_context().get_job_id()
     deadline = time.time() + 15
     while True:
         try:
-            return RunControl.options(name=name, namespace=NAMESPACE).remote(run, board, settings, knobs,
+            return RunControl.options(name=name, namespace=NAMESPACE,
+                                      scheduling_strategy=on_driver_node()).remote(run, board, settings, knobs,
                                                                             job_id=job, **kw)
         except ValueError:  # the name is taken: a running run, or a finished one's actor still going away
             try:
@@ -272,27 +275,15 @@ def change_line(change: dict) -> str:
             f"({change['source']}: {change['reason']})")
 
 
-class ControlWatcher:
+class ControlWatcher(Poller):
     """Driver side: prints every change and piece of advice as it is published."""
 
     def __init__(self, control, interval_s: float = 1.0, stream=None):
+        super().__init__(interval_s, stream, name="rapidfire-control-watch")
         self.control = control
-        self.interval_s = interval_s
-        self.stream = stream or sys.stdout
         self._printed = (0, 0)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rapidfire-control-watch", daemon=True)
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._print_new()
-
-    def _print_new(self) -> None:
+    def poll(self) -> None:
         try:
             info = ray.get(self.control.info.remote(), timeout=10)
         except Exception:
@@ -303,7 +294,3 @@ class ControlWatcher:
         for a in advice[self._printed[1]:]:
             print(f"[rapidfire] advice at step {a['step']}: {a['reason']}", file=self.stream, flush=True)
         self._printed = (len(changes), len(advice))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._print_new()

@@ -41,6 +41,9 @@ class Metric:
 METRICS = (
     Metric("rapidfire_loss", "gauge", WORKER_LABELS, "training loss at the last log step"),
     Metric("rapidfire_learning_rate", "gauge", WORKER_LABELS, "learning rate at the last log step"),
+    Metric("rapidfire_rl_reward", "gauge", WORKER_LABELS,
+           "RL runs: mean reward of the last step's completions (over all ranks)"),
+    Metric("rapidfire_rl_kl", "gauge", WORKER_LABELS, "RL runs: mean KL to the reference policy at the last step"),
     Metric("rapidfire_tokens_per_second", "gauge", WORKER_LABELS,
            "real (non-padding) tokens per second of this worker over the steps since the last log step"),
     Metric("rapidfire_step_phase_seconds", "gauge", WORKER_LABELS + ("phase",),
@@ -224,6 +227,8 @@ class WorkerMetrics:
     def log(self, logs: dict) -> None:
         self._gauge("rapidfire_loss", logs.get("loss"))
         self._gauge("rapidfire_learning_rate", logs.get("learning_rate"))
+        self._gauge("rapidfire_rl_reward", logs.get("reward"))
+        self._gauge("rapidfire_rl_kl", logs.get("kl"))
 
     def knobs(self, values: dict) -> None:
         for knob, value in values.items():

@@ -89,16 +89,16 @@ def progress_line(snap: dict) -> str | None:
     return " | ".join(parts)
 
 
-class ProgressPrinter:
-    """Polls the board from a driver thread and prints a progress line whenever the step moves."""
+class Poller:
+    """A driver thread that calls `poll()` every `interval_s` while the run trains and once more
+    at the end (the run's last lines). `poll` must not raise: what it reports is best-effort and
+    training must not fail for a printed line."""
 
-    def __init__(self, board, interval_s: float = 2.0, stream=None):
-        self.board = board
+    def __init__(self, interval_s: float, stream=None, name: str = "rapidfire-poll"):
         self.interval_s = interval_s
         self.stream = stream or sys.stdout
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rapidfire-progress", daemon=True)
-        self._last = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def __enter__(self):
         self._thread.start()
@@ -107,9 +107,25 @@ class ProgressPrinter:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(timeout=5)
-        self._print_once()
+        self.poll()
 
-    def _print_once(self) -> None:
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+
+class ProgressPrinter(Poller):
+    """Polls the board and prints a progress line whenever the step moves."""
+
+    def __init__(self, board, interval_s: float = 2.0, stream=None):
+        super().__init__(interval_s, stream, name="rapidfire-progress")
+        self.board = board
+        self._last = None
+
+    def poll(self) -> None:
         try:
             line = ray.get(self.board.line.remote(), timeout=10)
         except Exception:  # the board is best-effort; training must not fail for a progress line
@@ -117,7 +133,3 @@ class ProgressPrinter:
         if line and line != self._last:
             print(f"[rapidfire] {line}", file=self.stream, flush=True)
             self._last = line
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._print_once()
