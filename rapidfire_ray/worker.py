@@ -36,6 +36,7 @@ from .stages.sft import build_sft_trainer, sft_args
 from .telemetry.callback import RayRunCallback
 from .telemetry.control import KnobClient
 from .telemetry.metrics import WorkerMetrics
+from .telemetry.rules import CODEC_KNOB
 from .telemetry.timing import StepTimer
 
 
@@ -89,9 +90,9 @@ def train_loop_per_worker(config: dict) -> None:
     timer = StepTimer()
     backoff = OOMBackoff()
     backoff.ceiling = cfg["memory"].get("max_forward_tokens")
-    metrics, knobs = _live_telemetry(cfg, config.get("control"), rank, loader, backoff)
     comm = TrainerComm(cfg, rank=rank, total_steps=_total_steps(cfg, len(loader)), timer=timer,
                        shards=config.get("ps_shards"))
+    metrics, knobs = _live_telemetry(cfg, config.get("control"), rank, loader, backoff, comm)
     callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
                               every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json(),
                               backoff=backoff, comm=comm, memory=memory, metrics=metrics, knobs=knobs,
@@ -135,7 +136,7 @@ def train_loop_per_worker(config: dict) -> None:
         shutil.rmtree(local_dir, ignore_errors=True)
 
 
-def _live_telemetry(cfg: dict, control, rank: int, loader: ShardLoader, backoff: OOMBackoff):
+def _live_telemetry(cfg: dict, control, rank: int, loader: ShardLoader, backoff: OOMBackoff, comm: TrainerComm):
     """This worker's metrics on Ray's endpoint, and its side of the run's live knobs (`rapidfire monitor`)."""
     every = cfg["train"]["log_every_steps"]
     metrics = WorkerMetrics(cfg["run"]["name"], rank, every, threads=cfg["scaling"]["cpus_per_worker"])
@@ -145,10 +146,12 @@ def _live_telemetry(cfg: dict, control, rank: int, loader: ShardLoader, backoff:
     def set_max_forward_tokens(value):
         backoff.ceiling = value
 
-    knobs = KnobClient(control, rank, every, {"data.prefetch_depth": loader.set_prefetch_depth,
-                                              "memory.max_forward_tokens": set_max_forward_tokens},
-                       initial={"data.prefetch_depth": loader.prefetch_depth,
-                                "memory.max_forward_tokens": backoff.ceiling}, on_apply=metrics.knobs)
+    appliers = {"data.prefetch_depth": loader.set_prefetch_depth, "memory.max_forward_tokens": set_max_forward_tokens}
+    initial = {"data.prefetch_depth": loader.prefetch_depth, "memory.max_forward_tokens": backoff.ceiling}
+    if comm.mode == "allreduce_compressed" and comm.compression["grad"] != "auto":
+        appliers[CODEC_KNOB] = comm.set_codec
+        initial[CODEC_KNOB] = comm.compression["grad"]
+    knobs = KnobClient(control, rank, every, appliers, initial=initial, on_apply=metrics.knobs)
     metrics.knobs(knobs.values)
     return metrics, knobs
 

@@ -9,6 +9,7 @@ metrics export port over HTTP; afterwards it checks the change the prefetch rule
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -38,6 +39,7 @@ def records(steps, **kw):
 
 
 KNOBS = {"data.prefetch_depth": 2, "memory.max_forward_tokens": None}
+CODEC = "optimizer.params.compression.grad"
 
 
 # --- rules (pure functions over step records) -----------------------------------------------
@@ -94,11 +96,47 @@ def test_comm_latency_gives_advice_once_naming_the_stronger_codec():
     assert ps[0].knob == "communication.ps.max_staleness"
 
 
+def test_comm_latency_switches_to_the_next_stronger_codec_where_it_is_a_live_allowed_knob():
+    knob = "optimizer.params.compression.grad"
+    s = Settings(adjust="auto", window_steps=2, comm_latency_p99_s=0.5, allowed=(knob,))
+    knobs = {**KNOBS, knob: "fp16"}
+    state = RuleState()
+    out = evaluate(records([1, 2], p99=0.9), knobs, s, state, codec="fp16", mode="allreduce_compressed")
+    assert [(p.knob, p.new, p.advice) for p in out] == [(knob, "2bit", False)]
+    assert "comm latency p99 0.900 s > 0.5 s (steps 1-2)" in out[0].reason
+    state.quiet_until[knob] = 3  # the change takes effect after step 3: no new proposal before a full window
+    assert evaluate(records([3, 4], p99=0.9), {**knobs, knob: "2bit"}, s, state, mode="allreduce_compressed") == []
+    up = evaluate(records([4, 5], p99=0.9), {**knobs, knob: "2bit"}, s, state, mode="allreduce_compressed")
+    assert [(p.knob, p.new) for p in up] == [(knob, "1bit")]
+    # 1bit is the strongest: advice (once), naming the parameter server
+    last = evaluate(records([6, 7], p99=0.9), {**knobs, knob: "1bit"}, s, state, mode="allreduce_compressed")
+    assert len(last) == 1 and last[0].advice and "parameter_server" in last[0].reason
+    # a live codec knob the user did not allow: advice only, saying how to allow it
+    advice = evaluate(records([1, 2], p99=0.9), knobs, Settings(adjust="auto", window_steps=2), RuleState(),
+                      mode="allreduce_compressed")
+    assert advice[0].advice and "2bit" in advice[0].reason and "monitor.allowed" in advice[0].reason
+
+
+def test_knob_values_are_checked_before_a_change_is_published():
+    from rapidfire_ray.telemetry.rules import check_knob_value, knob_gauge
+
+    check_knob_value("optimizer.params.compression.grad", "2bit")
+    check_knob_value("memory.max_forward_tokens", None)
+    for knob, bad in (("optimizer.params.compression.grad", "3bit"), ("data.prefetch_depth", -1),
+                      ("data.prefetch_depth", "deep"), ("memory.max_forward_tokens", 0)):
+        with pytest.raises(ValueError, match=knob.replace(".", r"\.")):
+            check_knob_value(knob, bad)
+    assert knob_gauge("optimizer.params.compression.grad", "1bit") == 3.0
+    assert knob_gauge("memory.max_forward_tokens", None) == -1.0
+
+
 def test_monitor_config_is_validated():
     cfg = load_config(TINY_PROFILE, ["monitor.adjust=off", "monitor.allowed=[data.prefetch_depth]"])
     assert cfg.monitor.adjust == "off" and list(cfg.monitor.allowed) == ["data.prefetch_depth"]
-    with pytest.raises(RapidfireError, match="monitor.allowed: 'optimizer.params.compression.grad' is not a knob"):
-        load_config(TINY_PROFILE, ["monitor.allowed=[optimizer.params.compression.grad]"])
+    cfg = load_config(TINY_PROFILE, ["monitor.allowed=[optimizer.params.compression.grad]"])
+    assert list(cfg.monitor.allowed) == ["optimizer.params.compression.grad"]
+    with pytest.raises(RapidfireError, match="monitor.allowed: 'communication.ps.max_staleness' is not a knob"):
+        load_config(TINY_PROFILE, ["monitor.allowed=[communication.ps.max_staleness]"])
     with pytest.raises(RapidfireError, match="monitor.adjust"):
         load_config(TINY_PROFILE, ["monitor.adjust=sometimes"])
 
@@ -238,7 +276,10 @@ def live(ray_cluster, tmp_path_factory):
             result["summary"] = train(TINY_PROFILE, overrides={
                 "run.name": RUN, "run.output_dir": str(out), "train.max_steps": 40, "data.prefetch_depth": 0,
                 "checkpoint.every_steps": 0, "monitor.adjust": "auto", "monitor.window_steps": 2,
-                "monitor.interval_s": 0.5})
+                "monitor.interval_s": 0.5,
+                # the codec is a live knob too: any latency is "high", so fp16 -> 2bit -> 1bit
+                "communication.mode": "allreduce_compressed", "optimizer.params.compression.grad": "fp16",
+                "monitor.allowed": ["data.prefetch_depth", CODEC], "monitor.comm_latency_p99_s": 0.0})
         except BaseException as e:  # handed to the tests
             result["error"] = e
 
@@ -336,6 +377,26 @@ def test_prefetch_rule_fires_on_slow_data_and_every_worker_applies_it_at_the_sam
         assert depth[first["step"]] == 0 and depth[first["step"] + 1] == 1  # from the next step on
     # the depth the run ended with is the last change's
     assert adj["knobs"]["data.prefetch_depth"] == changes[-1]["new"]
+
+
+def test_comm_latency_rule_switches_the_codec_live_on_every_worker_at_the_same_step(live):
+    adj = live["summary"]["adjustments"]
+    changes = [c for c in adj["changes"] if c["knob"] == CODEC]
+    assert changes and changes[0]["old"] == "fp16" and changes[0]["new"] == "2bit", adj
+    assert "comm latency p99" in changes[0]["reason"] and changes[0]["source"] == "rule"
+    with open(os.path.join(live["run_dir"], "steps.jsonl"), encoding="utf-8") as f:
+        steps = [json.loads(line) for line in f]
+    for c in changes:
+        assert c["applied"] == {"0": c["step"], "1": c["step"]}
+    first = changes[0]["step"]
+    for rank in (0, 1):
+        mine = {r["step"]: r for r in steps if r["rank"] == rank}
+        assert mine[first]["knobs"][CODEC] == "fp16" and mine[first + 1]["knobs"][CODEC] == "2bit"
+        # what went over the wire: fp16 gradients before, 2-bit (with error feedback) after
+        before = [mine[s]["bytes_sent"] for s in range(2, first + 1)]
+        after = [mine[s]["bytes_sent"] for s in range(first + 1, (changes[1]["step"] if len(changes) > 1 else 40) + 1)]
+        assert max(after) < 0.5 * min(before), (before, after)
+    assert math.isfinite(live["summary"]["final_loss"])
 
 
 def test_parameter_server_shards_export_their_updates_and_staleness(ray_cluster):

@@ -130,6 +130,14 @@ class TrainerComm:
 
     # --- DDP hook ---------------------------------------------------------------------------
 
+    def set_codec(self, codec: str) -> None:
+        """The live codec knob (allreduce_compressed): from the next gradient exchange on, the
+        compressed hook groups the parameters by the new codec (error feedback carries over by
+        parameter name, comm/hook.py). Before the hook exists, the codec it will be built with."""
+        self.compression = {**self.compression, "grad": codec}
+        if self.hook_state is not None:
+            self.hook_state.policy.grad = codec
+
     def register(self, ddp_model) -> None:
         if self.optimizer_type == "rapidfire_adamw":
             from ..optim import local_gradient_hook

@@ -392,4 +392,4 @@ def _check_monitor(cfg: DictConfig) -> None:
     for knob in cfg.monitor.allowed:
         if knob not in KNOBS:
             raise RapidfireError(f"monitor.allowed: {_show(knob)} is not a knob a live run can change; use some of: "
-                                 f"{', '.join(KNOBS)} (the gradient codec and the staleness bound are fixed per run)")
+                                 f"{', '.join(KNOBS)} (the parameter server's staleness bound is fixed per run)")

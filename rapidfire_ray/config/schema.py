@@ -235,7 +235,8 @@ class MonitorSection:
     adjust: str = opt("off", "auto: rules change the knobs in monitor.allowed while the run trains, each change "
                              "logged with its reason; off: only watch (--adjust_parameters on train and monitor)")
     allowed: List[str] = opt(["data.prefetch_depth", "memory.max_forward_tokens"],
-                             "knobs the rules may change (data.prefetch_depth, memory.max_forward_tokens); [] none")
+                             "knobs the rules may change (data.prefetch_depth, memory.max_forward_tokens, and with "
+                             "allreduce_compressed optimizer.params.compression.grad); [] none")
     interval_s: float = opt(1.0, "seconds between two evaluations of the rules on the workers' step records")
     window_steps: int = opt(4, "steps (of every worker) a rule looks at; a changed knob is judged again only "
                                "after a full window with its new value")
@@ -244,8 +245,10 @@ class MonitorSection:
     oom_splits: int = opt(2, "this many out-of-memory batch splits in a window halve memory.max_forward_tokens")
     memory_headroom: float = opt(0.5, "peak memory below this share of every worker's memory (and no split) doubles "
                                       "memory.max_forward_tokens again, up to whole batches")
-    comm_latency_p99_s: float = opt(0.5, "comm latency p99 above this (seconds) logs advice: a stronger codec or a "
-                                         "larger staleness bound (neither can switch in a live run)")
+    comm_latency_p99_s: float = opt(0.5, "comm latency p99 above this (seconds): the next stronger codec where "
+                                         "optimizer.params.compression.grad is an allowed live knob "
+                                         "(allreduce_compressed), otherwise advice (a stronger codec or a larger "
+                                         "staleness bound)")
 
 
 @dataclass

@@ -23,7 +23,7 @@ import time
 
 import ray
 
-from .rules import KNOBS, RuleState, Settings, evaluate
+from .rules import CODEC_KNOB, KNOBS, RuleState, Settings, check_knob_value, evaluate
 from .progress import Poller
 
 NAMESPACE = "rapidfire"
@@ -114,6 +114,7 @@ class RunControl:
         """A change by hand (also to set a knob back). ValueError for an unknown knob."""
         if knob not in KNOBS or knob not in self.knobs:
             raise ValueError(f"unknown knob '{knob}'; knobs of this run: {', '.join(sorted(self.knobs))}")
+        check_knob_value(knob, value)
         with self._lock:
             return self._publish(knob, value, reason, "monitor")
 
@@ -194,9 +195,11 @@ def start_control(run: str, board, settings: Settings, knobs: dict, **kw):
 
 def run_control(cfg, board):
     """The control actor for the run `cfg` describes (its monitor section, its initial knobs)."""
-    return start_control(cfg.run.name, board, Settings.from_config(cfg),
-                         {"data.prefetch_depth": cfg.data.prefetch_depth,
-                          "memory.max_forward_tokens": cfg.memory.max_forward_tokens},
+    knobs = {"data.prefetch_depth": cfg.data.prefetch_depth, "memory.max_forward_tokens": cfg.memory.max_forward_tokens}
+    codec = cfg.optimizer.params.compression.grad
+    if cfg.communication.mode == "allreduce_compressed" and codec != "auto":
+        knobs[CODEC_KNOB] = codec  # live only where the compressed hook runs (telemetry.rules)
+    return start_control(cfg.run.name, board, Settings.from_config(cfg), knobs,
                          world_size=cfg.scaling.num_workers, every_steps=cfg.train.log_every_steps,
                          mode=cfg.communication.mode, codec=cfg.optimizer.params.compression.grad,
                          interval_s=cfg.monitor.interval_s)

@@ -18,6 +18,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from .rules import knob_gauge
+
 WORKER_LABELS = ("run", "rank", "node")
 SHARD_LABELS = ("run", "shard", "node")
 STEP_SECONDS_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -75,7 +77,8 @@ METRICS = (
            "busy share 0..1: GPU utilisation from NVML where available (device=cuda); on CPU the process's CPU "
            "time / (wall time x its torch threads) since the last log step (device=cpu)"),
     Metric("rapidfire_knob", "gauge", WORKER_LABELS + ("knob",),
-           "the value this worker runs with for each adjustable knob (rapidfire monitor, monitor.allowed)"),
+           "the value this worker runs with for each adjustable knob (rapidfire monitor, monitor.allowed); "
+           "null = -1, the gradient codec as 0-3 (none, fp16, 2bit, 1bit)"),
     Metric("rapidfire_adjustments", "counter", ("run", "knob"),
            "knob changes published by the run's control actor (rules or rapidfire monitor --set)"),
     Metric("rapidfire_ps_shard_version", "gauge", SHARD_LABELS, "parameter_server: updates the shard has applied"),
@@ -232,7 +235,7 @@ class WorkerMetrics:
 
     def knobs(self, values: dict) -> None:
         for knob, value in values.items():
-            self._gauge("rapidfire_knob", -1 if value is None else value, knob=knob)
+            self._gauge("rapidfire_knob", knob_gauge(knob, value), knob=knob)
 
 
 class ShardMetrics:

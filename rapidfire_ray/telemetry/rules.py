@@ -11,10 +11,16 @@ Knobs (only these; each is honoured from a step boundary on, on every worker at 
   plan itself (`data.dynamic_batch.max`) is fixed for the run: it sets the number of steps per
   epoch, which every rank and the trainer's schedule have already agreed on.
 
-Not live: the gradient codec (`optimizer.params.compression.grad`: ranks' error-feedback state
-and the collectives' layout depend on it) and the parameter server's staleness bound (shards
-and clients check it against each other). The comm-latency rule therefore gives advice (logged
-with the reason, in the run summary) instead of a change.
+- `optimizer.params.compression.grad` (only in `communication.mode: allreduce_compressed`): the
+  gradient codec, one of none, fp16, 2bit, 1bit. Every rank switches at the same step boundary;
+  the compressed hook regroups the parameters under the new codec and carries each parameter's
+  error-feedback residual over by name (to fp16/none, which keep no residual, it is dropped).
+  Not in `monitor.allowed` by default: a stronger codec changes what the run optimises.
+
+Not live: the parameter server's staleness bound (shards and clients check it against each
+other), and the codec of the other modes (rapidfire_adamw's compressed momentum state depends
+on it). For those the comm-latency rule gives advice (logged with the reason, in the run
+summary) instead of a change.
 
 Rules (`evaluate`), over the records of the last `window_steps` steps of every rank, each knob
 at most once per window after its last change took effect:
@@ -26,8 +32,9 @@ at most once per window after its last change took effect:
 3. no out-of-memory split, max_forward_tokens set, and every rank's peak memory below
    `memory_headroom` x its memory limit -> max_forward_tokens x2 (back to `null` once that
    covers the largest batch seen): rule 2 reverted as memory allows.
-4. comm latency p99 above `comm_latency_p99_s` -> advice: a stronger gradient codec
-   (fp16 -> 2bit -> 1bit, `allreduce_compressed`) or a larger `communication.ps.max_staleness`.
+4. comm latency p99 above `comm_latency_p99_s` -> in allreduce_compressed with the codec knob
+   allowed, the next stronger codec (none -> fp16 -> 2bit -> 1bit); otherwise advice: a stronger
+   codec (with allreduce_compressed) or a larger `communication.ps.max_staleness`.
 """
 from __future__ import annotations
 
@@ -37,9 +44,33 @@ KNOBS = {
     "data.prefetch_depth": "batches the loader keeps ready (from the next batch on)",
     "memory.max_forward_tokens": "padded tokens per forward/backward pass; larger batches are split and "
                                  "accumulated in the same step (null: whole batches)",
+    "optimizer.params.compression.grad": "the gradient codec of communication.mode allreduce_compressed "
+                                         "(none, fp16, 2bit, 1bit); error feedback carries over",
 }
-ADVICE_ONLY = ("optimizer.params.compression.grad", "communication.ps.max_staleness")
-CODEC_ORDER = ("none", "fp16", "2bit", "1bit")
+CODEC_KNOB = "optimizer.params.compression.grad"
+CODEC_ORDER = ("none", "fp16", "2bit", "1bit")  # weaker -> stronger compression
+
+
+def check_knob_value(knob: str, value) -> None:
+    """ValueError naming the knob and what it takes, for a value a worker could not apply."""
+    if knob == "data.prefetch_depth":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{knob} takes an integer >= 0, got {value!r}")
+    elif knob == "memory.max_forward_tokens":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{knob} takes an integer >= 1 or null (whole batches), got {value!r}")
+    elif knob == CODEC_KNOB and value not in CODEC_ORDER:
+        raise ValueError(f"{knob} takes one of {', '.join(CODEC_ORDER)}, got {value!r}")
+
+
+def knob_gauge(knob: str, value) -> float:
+    """A knob's value as a number for the metrics endpoint: null -> -1, a codec -> its position
+    in none, fp16, 2bit, 1bit (0-3)."""
+    if value is None:
+        return -1.0
+    if knob == CODEC_KNOB:
+        return float(CODEC_ORDER.index(value))
+    return float(value)
 
 
 @dataclass
@@ -132,19 +163,31 @@ def evaluate(records: list[dict], knobs: dict, settings: Settings, state: RuleSt
                                 f"peak memory at most {max(shares):.0%} of the workers' memory < "
                                 f"{settings.memory_headroom:.0%}, no out-of-memory split ({span})"))
 
-    # 4. comm latency -> advice
+    # 4. comm latency -> a stronger codec where it is live, advice otherwise
     p99 = max((r.get("comm_latency_p99_s") or 0.0) for r in recent)
     if p99 > settings.comm_latency_p99_s:
+        why = f"comm latency p99 {p99:.3f} s > {settings.comm_latency_p99_s} s ({span})"
+        live = knobs.get(CODEC_KNOB)
+        if live is not None and live in CODEC_ORDER and live != CODEC_ORDER[-1]:
+            if ready(CODEC_KNOB):
+                out.append(Proposal(CODEC_KNOB, CODEC_ORDER[CODEC_ORDER.index(live) + 1], why))
+                return out
+            if CODEC_KNOB in settings.allowed:
+                return out  # it may change again once its last change has had a window
         if mode == "parameter_server":
             knob, hint = "communication.ps.max_staleness", "a larger communication.ps.max_staleness"
         else:
+            codec = live if live is not None else codec
             stronger = CODEC_ORDER[min(len(CODEC_ORDER) - 1, CODEC_ORDER.index(codec) + 1)] \
                 if codec in CODEC_ORDER else "1bit"
-            knob, hint = "optimizer.params.compression.grad", (
-                f"optimizer.params.compression.grad {stronger} with communication.mode allreduce_compressed")
+            if stronger == codec:  # 1bit already
+                knob, hint = CODEC_KNOB, "communication.mode parameter_server (the codec is the strongest, 1bit)"
+            else:
+                knob, hint = CODEC_KNOB, (f"{CODEC_KNOB} {stronger} with communication.mode allreduce_compressed"
+                                          + (f" (or add {CODEC_KNOB} to monitor.allowed)" if live is not None
+                                             else ""))
         if knob not in state.advised:
             state.advised.add(knob)
-            out.append(Proposal(knob, None, f"comm latency p99 {p99:.3f} s > {settings.comm_latency_p99_s} s "
-                                            f"({span}); not switchable in a live run: restart with {hint}",
+            out.append(Proposal(knob, None, f"{why}; not switchable in this live run: restart with {hint}",
                                 advice=True))
     return out
