@@ -69,39 +69,69 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def usable_checkpoint(checkpoint, say=print):
-    """The newest checkpoint at or before `checkpoint` (a ray.train.Checkpoint, or None) whose files
-    verify; None if there is none. Checkpoints on local or mounted storage are checked in place;
-    others (object stores) are downloaded by `as_directory` to be checked."""
-    if checkpoint is None:
-        return None
+def complete(folder: str, world_size: int) -> bool:
+    """Every rank 0..world_size-1 left its manifest in `folder` (all ranks' parts were stored)."""
+    try:
+        names = set(os.listdir(folder))
+    except OSError:
+        return False
+    return all(f"{MANIFEST_PREFIX}{r}.json" in names for r in range(world_size))
+
+
+def usable_checkpoint(checkpoint, say=print, *, run_dir: str | None = None, world_size: int | None = None,
+                      note=None):
+    """The checkpoint to resume from: `checkpoint` (Ray Train's latest registered one, or None)
+    or, when it fails verification, the newest older one of the run that verifies; None if none.
+
+    With `world_size` (and `run_dir` when `checkpoint` is None), a newer checkpoint folder than the
+    registered one is preferred when every rank's manifest is in it and it verifies: Ray Train's
+    controller registers a reported checkpoint only at its next poll of the workers (every 2 s),
+    so when a worker dies the newest fully saved checkpoint may not be registered yet, and
+    resuming from the registered one would train the steps in between twice.
+
+    Checkpoints on local or mounted storage are checked in place; others (object stores) are
+    downloaded by `as_directory` to be checked. `say` gets the fallback line, `note` (default
+    `say`) the line about a newer checkpoint."""
     import pyarrow.fs
     import ray.train
 
-    fs, path = checkpoint.filesystem, checkpoint.path.rstrip("/")
-    parent, name = os.path.dirname(path), os.path.basename(path)
-    newest = step_of(name)
-    candidates = [path]
+    if checkpoint is not None:
+        fs, path = checkpoint.filesystem, checkpoint.path.rstrip("/")
+        parent, newest = os.path.dirname(path), step_of(os.path.basename(path))
+    elif run_dir is not None and world_size is not None and os.path.isdir(run_dir):
+        fs, path, parent, newest = pyarrow.fs.LocalFileSystem(), None, os.path.abspath(run_dir), -1
+    else:
+        return None
+    found = []
     if newest is not None:
         infos = fs.get_file_info(pyarrow.fs.FileSelector(parent))
-        older = [(step_of(i.base_name), i.path) for i in infos
-                 if i.type == pyarrow.fs.FileType.Directory and step_of(i.base_name) is not None
-                 and step_of(i.base_name) < newest]
-        candidates += [p for _, p in sorted(older, reverse=True)]
+        found = sorted(((step_of(i.base_name), i.path) for i in infos
+                        if i.type == pyarrow.fs.FileType.Directory and step_of(i.base_name) is not None),
+                       reverse=True)
+    newer = [p for step, p in found if newest is not None and step > newest] if world_size else []
+    older = [p for step, p in found if newest is not None and step < newest]
+    candidates = newer + ([path] if path is not None else []) + older
     skipped = []
     for candidate in candidates:
         ckpt = checkpoint if candidate == path else ray.train.Checkpoint(candidate, filesystem=fs)
         with ckpt.as_directory() as folder:
+            if candidate in newer and not complete(folder, world_size):
+                continue  # not every rank's part is there: never reported as a whole
             problem = verify(folder)
         if problem is None:
             if skipped:
                 say(f"checkpoint {skipped[0][0]} failed verification ({skipped[0][1]}); resuming from "
                     f"{os.path.basename(candidate)} instead"
                     + (f" ({len(skipped) - 1} more skipped)" if len(skipped) > 1 else ""))
+            elif candidate in newer:
+                (note or say)(f"resuming from {os.path.basename(candidate)}, saved by every rank but not yet registered by "
+                    f"Ray Train (its latest: {os.path.basename(path) if path else 'none'})")
             return ckpt
-        skipped.append((os.path.basename(candidate), problem))
-    say(f"checkpoint {skipped[0][0]} failed verification ({skipped[0][1]}) and no older checkpoint of the run "
-        "verifies; starting from the beginning")
+        if candidate not in newer:
+            skipped.append((os.path.basename(candidate), problem))
+    if skipped:
+        say(f"checkpoint {skipped[0][0]} failed verification ({skipped[0][1]}) and no older checkpoint of the run "
+            "verifies; starting from the beginning")
     return None
 
 

@@ -2,8 +2,9 @@
 
 After a worker dies, Ray Train restarts the worker group (scaling.max_failures), which resumes
 from the latest checkpoint: the steps after that checkpoint run again. A rank's records then go
-back in step number. From them: the restarts, the step each resumed from, the steps and samples
-trained twice (the last record of a (rank, step) counts, the earlier ones were redone), steps
+back in step number, and they come from a new worker process (`pid`; a restart that resumes from
+a checkpoint at its last step repeats no step). From them: the restarts, the step each resumed
+from, the steps and samples trained twice (the last record of a (rank, step) counts, the earlier ones were redone), steps
 skipped (none expected), and the time between the last step before a failure and the first after.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ def recovery_summary(steps: list[dict], checkpoint_fallback: str | None = None) 
     for rank, records in sorted(by_rank.items()):
         last_of = {}
         for i, r in enumerate(records):
-            if i and r["step"] <= records[i - 1]["step"]:
+            if i and (r["step"] <= records[i - 1]["step"] or r.get("pid") != records[i - 1].get("pid")):
                 if rank == min(by_rank):
                     restarts.append({"resumed_from_step": r["step"] - 1, "failed_after_step": records[i - 1]["step"],
                                      "lost_s": round(r["time"] - records[i - 1]["time"], 3)})

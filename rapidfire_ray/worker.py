@@ -110,7 +110,7 @@ def train_loop_per_worker(config: dict) -> None:
     trainer.rf_crash_step = crash_step(cfg["train"]["stage"], rank)
 
     # The newest checkpoint whose files match their manifests (a truncated one is skipped, said once).
-    checkpoint = usable_checkpoint(ray.train.get_checkpoint(), say=_checkpoint_note(config["board"], rank))
+    checkpoint = _resume_checkpoint(cfg, config["board"], rank, world)
     try:
         if checkpoint is None:
             trainer.train()
@@ -154,6 +154,32 @@ def _live_telemetry(cfg: dict, control, rank: int, loader: ShardLoader, backoff:
     knobs = KnobClient(control, rank, every, appliers, initial=initial, on_apply=metrics.knobs)
     metrics.knobs(knobs.values)
     return metrics, knobs
+
+
+def _resume_checkpoint(cfg: dict, board, rank: int, world: int):
+    """The checkpoint this worker group resumes from (None: from the start). With a process group,
+    rank 0 chooses (`checkpoints.usable_checkpoint`, preferring a fully saved checkpoint newer than
+    the one Ray Train registered) and broadcasts the choice, so every rank loads the same step;
+    without one (parameter_server) every rank takes Ray Train's registered checkpoint."""
+    registered = ray.train.get_checkpoint()
+    say = _checkpoint_note(board, rank)
+    if not torch.distributed.is_initialized():
+        return usable_checkpoint(registered, say=say)
+    choice = [None]
+    if rank == 0:
+        run_dir = os.path.join(os.path.abspath(cfg["run"]["output_dir"]), cfg["run"]["name"])
+        chosen = usable_checkpoint(registered, say=say, run_dir=run_dir, world_size=world,
+                                   note=lambda msg: print(f"[rapidfire] {msg}", flush=True))
+        choice = [None if chosen is None else chosen.path]
+    torch.distributed.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    if registered is not None and choice[0] == registered.path:
+        return registered
+    import pyarrow.fs
+
+    fs = registered.filesystem if registered is not None else pyarrow.fs.LocalFileSystem()
+    return ray.train.Checkpoint(choice[0], filesystem=fs)
 
 
 def _checkpoint_note(board, rank: int):

@@ -36,6 +36,13 @@ def test_recovery_summary_counts_restarts_retrained_and_skipped_steps():
     assert rec["unique_samples"] == 8 * 2 * 8 and rec["steps_skipped"] == []
     assert rec["checkpoint_fallback"].startswith("checkpoint checkpoint-00000004")
     assert "1 worker-group restart(s), resumed at step 4" in recovery_line(rec)
+    # Resumed from a checkpoint at the very step it failed after: no step repeats, the new worker
+    # processes still count as a restart.
+    exact = [{**_rec(r, s, s), "pid": 100 + r} for s in range(1, 5) for r in (0, 1)] + \
+        [{**_rec(r, s, 20 + s), "pid": 200 + r} for s in range(5, 7) for r in (0, 1)]
+    rec = recovery_summary(exact)
+    assert rec["restarts"] == 1 and rec["resumes"][0]["resumed_from_step"] == 4
+    assert rec["resumes"][0]["failed_after_step"] == 4 and rec["steps_trained_twice"] == 0
     # A hole in a rank's steps is reported, not hidden.
     holed = [_rec(0, s, s) for s in (1, 2, 4)]
     assert recovery_summary(holed)["steps_skipped"] == [3]
@@ -85,6 +92,41 @@ def test_usable_checkpoint_falls_back_to_the_newest_one_that_verifies(tmp_path):
     assert lines == ["checkpoint checkpoint-00000006 failed verification (model.safetensors is 100 bytes, 2048 "
                      "expected); resuming from checkpoint-00000002 instead (1 more skipped)"]
     assert usable_checkpoint(None) is None
+
+
+def test_a_fully_saved_checkpoint_newer_than_the_registered_one_is_preferred(tmp_path):
+    """Ray Train registers a reported checkpoint only at its next poll of the workers: a worker
+    that dies right after two more saves leaves checkpoints on storage that Ray does not know yet.
+    Resuming from the newest one every rank finished trains fewer steps twice."""
+    import ray.train
+
+    from rapidfire_ray.checkpoints import usable_checkpoint, write_manifest
+
+    def save(step, ranks):
+        d = tmp_path / f"checkpoint-{step:08d}"
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(os.urandom(1024))
+        for r in ranks:
+            write_manifest(str(d), r)
+
+    save(4, (0, 1))
+    save(8, (0, 1))
+    save(12, (0,))  # rank 1's part never arrived
+    registered = ray.train.Checkpoint(str(tmp_path / "checkpoint-00000004"))
+    notes, lines = [], []
+    chosen = usable_checkpoint(registered, lines.append, world_size=2, note=notes.append)
+    assert chosen.path.endswith("checkpoint-00000008") and lines == []
+    assert notes == ["resuming from checkpoint-00000008, saved by every rank but not yet registered by Ray Train "
+                     "(its latest: checkpoint-00000004)"]
+    with open(tmp_path / "checkpoint-00000008" / "model.safetensors", "r+b") as f:
+        f.truncate(10)  # a newer one that does not verify is passed over silently
+    assert usable_checkpoint(registered, lines.append, world_size=2).path == registered.path and lines == []
+    # none registered yet (the first failure came before Ray's first poll): the run folder is searched
+    save(16, (0, 1))
+    assert usable_checkpoint(None, lines.append, run_dir=str(tmp_path), world_size=2).path.endswith(
+        "checkpoint-00000016")
+    # without a world size (no process group to agree on a choice): Ray Train's registered one
+    assert usable_checkpoint(registered, lines.append).path == registered.path
 
 
 def _steps(run_dir):

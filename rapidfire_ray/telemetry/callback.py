@@ -85,7 +85,7 @@ class RayRunCallback(OptimizerClock):
         samples, tokens, padded = (now - before for now, before in zip(counts, self._counts))
         self._counts = counts
         record = {
-            "rank": self.rank, "step": state.global_step, "time": time.time(), "phases": phases,
+            "rank": self.rank, "step": state.global_step, "time": time.time(), "pid": os.getpid(), "phases": phases,
             "samples": samples, "tokens": tokens, "padded_tokens": padded, "peak_memory_bytes": peak_memory_bytes(),
             "oom_splits": self._new_oom_splits(), **comm,
             **(self.memory.take_step() if self.memory is not None else {}),
