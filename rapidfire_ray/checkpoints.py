@@ -108,8 +108,8 @@ def usable_checkpoint(checkpoint, say=print, *, run_dir: str | None = None, worl
         found = sorted(((step_of(i.base_name), i.path) for i in infos
                         if i.type == pyarrow.fs.FileType.Directory and step_of(i.base_name) is not None),
                        reverse=True)
-    newer = [p for step, p in found if newest is not None and step > newest] if world_size else []
-    older = [p for step, p in found if newest is not None and step < newest]
+    newer = [p for step, p in found if step > newest] if world_size else []
+    older = [p for step, p in found if step < newest]
     candidates = newer + ([path] if path is not None else []) + older
     skipped = []
     for candidate in candidates:
@@ -124,8 +124,8 @@ def usable_checkpoint(checkpoint, say=print, *, run_dir: str | None = None, worl
                     f"{os.path.basename(candidate)} instead"
                     + (f" ({len(skipped) - 1} more skipped)" if len(skipped) > 1 else ""))
             elif candidate in newer:
-                (note or say)(f"resuming from {os.path.basename(candidate)}, saved by every rank but not yet registered by "
-                    f"Ray Train (its latest: {os.path.basename(path) if path else 'none'})")
+                (note or say)(f"resuming from {os.path.basename(candidate)}, saved by every rank but not yet "
+                              f"registered by Ray Train (its latest: {os.path.basename(path) if path else 'none'})")
             return ckpt
         if candidate not in newer:
             skipped.append((os.path.basename(candidate), problem))

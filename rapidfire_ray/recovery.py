@@ -4,8 +4,9 @@ After a worker dies, Ray Train restarts the worker group (scaling.max_failures),
 from the latest checkpoint: the steps after that checkpoint run again. A rank's records then go
 back in step number, and they come from a new worker process (`pid`; a restart that resumes from
 a checkpoint at its last step repeats no step). From them: the restarts, the step each resumed
-from, the steps and samples trained twice (the last record of a (rank, step) counts, the earlier ones were redone), steps
-skipped (none expected), and the time between the last step before a failure and the first after.
+from, the steps and samples trained twice (the last record of a (rank, step) counts, the earlier
+ones were redone), steps skipped (none expected), and the time between the last step before a
+failure and the first after.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from .stages.sft import build_sft_trainer, sft_args
 from .telemetry.callback import RayRunCallback
 from .telemetry.control import KnobClient
 from .telemetry.metrics import WorkerMetrics
-from .telemetry.rules import CODEC_KNOB
+from .telemetry.rules import CODEC_KNOB, codec_is_live
 from .telemetry.timing import StepTimer
 
 
@@ -148,7 +148,7 @@ def _live_telemetry(cfg: dict, control, rank: int, loader: ShardLoader, backoff:
 
     appliers = {"data.prefetch_depth": loader.set_prefetch_depth, "memory.max_forward_tokens": set_max_forward_tokens}
     initial = {"data.prefetch_depth": loader.prefetch_depth, "memory.max_forward_tokens": backoff.ceiling}
-    if comm.mode == "allreduce_compressed" and comm.compression["grad"] != "auto":
+    if codec_is_live(comm.mode, comm.compression["grad"]):
         appliers[CODEC_KNOB] = comm.set_codec
         initial[CODEC_KNOB] = comm.compression["grad"]
     knobs = KnobClient(control, rank, every, appliers, initial=initial, on_apply=metrics.knobs)

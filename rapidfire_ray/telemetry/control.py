@@ -23,7 +23,7 @@ import time
 
 import ray
 
-from .rules import CODEC_KNOB, KNOBS, RuleState, Settings, check_knob_value, evaluate
+from .rules import CODEC_KNOB, KNOBS, RuleState, Settings, check_knob_value, codec_is_live, evaluate
 from .progress import Poller
 
 NAMESPACE = "rapidfire"
@@ -197,8 +197,8 @@ def run_control(cfg, board):
     """The control actor for the run `cfg` describes (its monitor section, its initial knobs)."""
     knobs = {"data.prefetch_depth": cfg.data.prefetch_depth, "memory.max_forward_tokens": cfg.memory.max_forward_tokens}
     codec = cfg.optimizer.params.compression.grad
-    if cfg.communication.mode == "allreduce_compressed" and codec != "auto":
-        knobs[CODEC_KNOB] = codec  # live only where the compressed hook runs (telemetry.rules)
+    if codec_is_live(cfg.communication.mode, codec):
+        knobs[CODEC_KNOB] = codec
     return start_control(cfg.run.name, board, Settings.from_config(cfg), knobs,
                          world_size=cfg.scaling.num_workers, every_steps=cfg.train.log_every_steps,
                          mode=cfg.communication.mode, codec=cfg.optimizer.params.compression.grad,

@@ -51,6 +51,12 @@ CODEC_KNOB = "optimizer.params.compression.grad"
 CODEC_ORDER = ("none", "fp16", "2bit", "1bit")  # weaker -> stronger compression
 
 
+def codec_is_live(mode: str, codec: str) -> bool:
+    """Whether a run can change its gradient codec while it trains: only the compressed hook of
+    allreduce_compressed regroups per step, and `auto` already chooses per tensor."""
+    return mode == "allreduce_compressed" and codec != "auto"
+
+
 def check_knob_value(knob: str, value) -> None:
     """ValueError naming the knob and what it takes, for a value a worker could not apply."""
     if knob == "data.prefetch_depth":
