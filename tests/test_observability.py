@@ -420,10 +420,14 @@ def test_parameter_server_shards_export_their_updates_and_staleness(ray_cluster)
             model(x).pow(2).mean().backward()
             client.push_and_pull({n: p.grad for n, p in model.named_parameters()})
         client.finish()
-        def done(text):  # both shards' counters exported after all five updates
-            return all(any(line.startswith("ray_rapidfire_ps_shard_updates_total{") and 'run="observe-ps"' in line
-                           and f'shard="{shard}"' in line and line.endswith(" 5.0") for line in text.splitlines())
-                       for shard in ("0", "1"))
+        def exported(text, name, shard, value=None):
+            return any(line.startswith(f"ray_rapidfire_ps_shard_{name}{{") and 'run="observe-ps"' in line
+                       and f'shard="{shard}"' in line and (value is None or line.endswith(f" {value}"))
+                       for line in text.splitlines())
+
+        def done(text):  # each instrument reaches the metrics agent on its own export: wait for all of them
+            return all(exported(text, "updates_total", shard, "5.0") and exported(text, "version", shard, "5.0")
+                       and exported(text, "staleness_count", shard) for shard in ("0", "1"))
 
         deadline, text = time.time() + 90, ""
         while time.time() < deadline:
@@ -435,10 +439,10 @@ def test_parameter_server_shards_export_their_updates_and_staleness(ray_cluster)
             updates = [line for line in text.splitlines() if line.startswith("ray_rapidfire_ps_shard_updates_total{")
                        and 'run="observe-ps"' in line and f'shard="{shard}"' in line]
             assert updates and float(updates[0].rsplit(" ", 1)[1]) == 5.0, updates
-            assert any(line.startswith("ray_rapidfire_ps_shard_version{") and 'run="observe-ps"' in line
-                       and f'shard="{shard}"' in line and line.endswith(" 5.0") for line in text.splitlines())
-            assert any(line.startswith("ray_rapidfire_ps_shard_staleness_count{") and 'run="observe-ps"' in line
-                       and f'shard="{shard}"' in line for line in text.splitlines())
+            versions = [line for line in text.splitlines() if line.startswith("ray_rapidfire_ps_shard_version{")
+                        and 'run="observe-ps"' in line and f'shard="{shard}"' in line]
+            assert exported(text, "version", shard, "5.0"), versions
+            assert exported(text, "staleness_count", shard)
     finally:
         for s in shards:
             ray.kill(s)
