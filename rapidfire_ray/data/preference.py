@@ -34,7 +34,6 @@ import json
 from typing import Any
 
 import numpy as np
-import torch
 
 NAME = "preference"
 PAIR_COLUMNS = ("chosen_ids", "rejected_ids")
@@ -97,7 +96,7 @@ def normalise_preference(obj: dict) -> dict:
 
 
 class PreferenceTokenizer:
-    """Records -> tokenised pairs. Loads the tokenizer once per Ray actor."""
+    """Records -> tokenised pairs (run by `tokenize.tokenize_batch` in Ray Data tasks)."""
 
     def __init__(self, model_name: str, max_length: int):
         from ..models import load_tokenizer
@@ -147,7 +146,7 @@ def is_pair_row(row: dict) -> bool:
     return "chosen_ids" in row
 
 
-def collate_pairs(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_pairs(rows: list[dict], pad_id: int) -> dict:
     """Pairs -> TRL's reward batch: chosen sides then rejected sides, right-padded together."""
     from trl.trainer.reward_trainer import DataCollatorForPreference
 
@@ -161,6 +160,8 @@ def split_pairs(batch: dict, parts: int) -> list[dict]:
     """Split a reward batch into `parts` batches of whole pairs (each still chosen-then-rejected,
     trimmed to its own longest row). Each piece carries ``rf_weight``, its share of the pairs, so
     the pieces' mean losses add up to the whole batch's mean loss."""
+    import torch
+
     rows = batch["input_ids"].shape[0]
     pairs = rows // 2
     parts = max(1, min(parts, pairs))

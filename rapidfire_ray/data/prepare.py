@@ -6,7 +6,6 @@ workers by `sharding.ExactSplitDataConfig`.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
@@ -17,8 +16,9 @@ from ray.data.expressions import col
 
 from ..errors import RapidfireError
 from .preference import NAME as PREFERENCE, PAIR_COLUMNS, PreferenceTokenizer
-from .sources import list_data_files, parse_file
-from .tokenize import SFTTokenizer
+from . import rows
+from .sources import list_data_files
+from .tokenize import SFTTokenizer, tokenize_batch
 
 BAD_ROW_EXAMPLES = 5
 
@@ -52,24 +52,6 @@ class DataReport:
         return asdict(self)
 
 
-def _parse(row: dict, fmt: str) -> list[dict]:
-    return parse_file(row["path"], row["bytes"], fmt)
-
-
-def _order_key(batch: dict, seed: int) -> dict:
-    # A seeded hash of the row's source: a deterministic global shuffle, whatever the block layout.
-    batch["order"] = [int.from_bytes(hashlib.blake2b(f"{seed}:{s}".encode(), digest_size=8).digest(), "big") >> 1
-                      for s in batch["source"]]
-    return batch
-
-
-def _count_tokens(batch: dict) -> dict:
-    batch["num_tokens"] = [len(x) for x in batch["input_ids"]]
-    batch["num_trained"] = [int(m.sum()) for m in batch["loss_mask"]]
-    batch["truncated"] = [int(t) for t in batch["truncated"]]
-    return batch
-
-
 def build_sft_dataset(cfg, num_cpus: int = 1, path: str | None = None, key: str = "data.path"):
     """Return (materialised dataset of token rows, DataReport). Raises RapidfireError on bad data.
     `path`: another file of the same format (e.g. `data.eval_path`, named `key` in errors).
@@ -83,7 +65,7 @@ def build_sft_dataset(cfg, num_cpus: int = 1, path: str | None = None, key: str 
     ctx.enable_progress_bars = False
 
     records = (ray.data.read_binary_files(files, include_paths=True)
-               .flat_map(partial(_parse, fmt=d.format))
+               .flat_map(partial(rows.parse, fmt=d.format))
                .materialize())
     report.rows_read = records.count()
     bad = records.filter(expr=col("error") != "")
@@ -98,21 +80,22 @@ def build_sft_dataset(cfg, num_cpus: int = 1, path: str | None = None, key: str 
     # Spread the rows over enough blocks that tokenisation runs on several CPUs.
     blocks = max(1, min(4 * num_cpus, report.rows_read // 512 + 1))
     good = records.filter(expr=col("error") == "").repartition(blocks)
-    concurrency = (1, max(1, min(num_cpus, blocks)))
+    concurrency = max(1, min(num_cpus, blocks))
     if d.format == PREFERENCE:  # the pair tokenizer counts its own tokens
-        tokens = good.map_batches(PreferenceTokenizer, fn_constructor_args=(cfg.model.name, d.max_length),
+        tokens = good.map_batches(partial(tokenize_batch, cls=PreferenceTokenizer, args=(cfg.model.name, d.max_length)),
                                   batch_size=256, concurrency=concurrency).materialize()
     else:
-        tokens = (good.map_batches(SFTTokenizer, fn_constructor_args=(cfg.model.name, d.format, d.max_length),
+        tokens = (good.map_batches(partial(tokenize_batch, cls=SFTTokenizer,
+                                           args=(cfg.model.name, d.format, d.max_length)),
                                    batch_size=256, concurrency=concurrency)
-                  .map_batches(_count_tokens, batch_size=256)
+                  .map_batches(rows.count_tokens, batch_size=256)
                   .materialize())
     if d.overlong == "drop":
-        report.dropped_overlong = int(tokens.sum("truncated") or 0)
+        report.dropped_overlong = rows.column_sums(tokens, ["truncated"])["truncated"]
         tokens = tokens.filter(expr=col("truncated") == 0).materialize()
     good_rows = tokens.count()
     trainable = tokens.filter(expr=col("num_trained") > 0)
-    ds = (trainable.map_batches(partial(_order_key, seed=cfg.run.seed), batch_size=1024)
+    ds = (trainable.map_batches(partial(rows.order_key, seed=cfg.run.seed), batch_size=1024)
           .sort("order")
           .materialize())
     report.rows = ds.count()
@@ -122,9 +105,10 @@ def build_sft_dataset(cfg, num_cpus: int = 1, path: str | None = None, key: str 
                              f", {report.empty_after_truncation} with nothing to train on); check data.format "
                              f"('{d.format}') matches the file")
     # (a pair's num_tokens is its padded size in a batch; its real tokens are all trained on)
-    report.tokens = int(ds.sum("num_trained" if d.format == PREFERENCE else "num_tokens"))
-    report.trained_tokens = int(ds.sum("num_trained"))
-    report.truncated_rows = int(ds.sum("truncated"))
+    sums = rows.column_sums(ds, ["num_tokens", "num_trained", "truncated"])
+    report.tokens = sums["num_trained" if d.format == PREFERENCE else "num_tokens"]
+    report.trained_tokens = sums["num_trained"]
+    report.truncated_rows = sums["truncated"]
     columns = [*PAIR_COLUMNS] if d.format == PREFERENCE else ["input_ids", "loss_mask"]
     ds = ds.select_columns([*columns, "source", "num_tokens"]).materialize()
     return ds, report

@@ -127,25 +127,13 @@ class PromptMeasure:
         return batch
 
 
-def _parse(row: dict) -> list[dict]:
-    from .sources import parse_file
-
-    return parse_file(row["path"], row["bytes"], "prompt")
-
-
-def _order_key(batch: dict, seed: int) -> dict:
-    import hashlib
-
-    batch["order"] = [int.from_bytes(hashlib.blake2b(f"{seed}:{s}".encode(), digest_size=8).digest(), "big") >> 1
-                      for s in batch["source"]]
-    return batch
-
-
 def build_prompt_dataset(cfg, path: str, *, num_cpus: int = 1, what: str = "data.path"):
     """Return (materialised dataset of prompt rows in a seeded order, PromptReport). Rows keep
     ``source``, ``prompt``, ``messages``, ``extra`` and ``prompt_tokens``."""
     from ..rl.rules import NEEDS
+    from . import rows
     from .sources import list_data_files
+    from .tokenize import tokenize_batch
 
     files = list_data_files(path)
     budget = cfg.data.max_length - cfg.rl.max_new_tokens
@@ -153,14 +141,16 @@ def build_prompt_dataset(cfg, path: str, *, num_cpus: int = 1, what: str = "data
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
-    records = ray.data.read_binary_files(files, include_paths=True).flat_map(_parse).materialize()
+    records = (ray.data.read_binary_files(files, include_paths=True)
+               .flat_map(partial(rows.parse, fmt="prompt"))
+               .materialize())
     report.rows_read = records.count()
     parse_bad = records.filter(expr=col("error") != "")
     needs = {fn: NEEDS[fn] for fn in cfg.rl.reward.functions if fn in NEEDS}
     blocks = max(1, min(4 * num_cpus, report.rows_read // 512 + 1))
     measured = (records.filter(expr=col("error") == "").repartition(blocks)
-                .map_batches(PromptMeasure, fn_constructor_args=(cfg.model.name, budget, needs), batch_size=256,
-                             concurrency=(1, max(1, min(num_cpus, blocks))))
+                .map_batches(partial(tokenize_batch, cls=PromptMeasure, args=(cfg.model.name, budget, needs)),
+                             batch_size=256, concurrency=max(1, min(num_cpus, blocks)))
                 .materialize())
     # Bad rows are few: bring their source, reason and length over in one pass.
     bad = [r for r in parse_bad.select_columns(["source", "error"]).take_all()]
@@ -176,7 +166,7 @@ def build_prompt_dataset(cfg, path: str, *, num_cpus: int = 1, what: str = "data
             raise RapidfireError(f"{what}: bad row {first['source']}: {first['error']} ({report.bad_rows} bad row(s) "
                                  "in all); fix the row or set data.on_bad_row=skip to skip bad rows")
     ds = (measured.filter(expr=col("error") == "")
-          .map_batches(partial(_order_key, seed=cfg.run.seed), batch_size=1024)
+          .map_batches(partial(rows.order_key, seed=cfg.run.seed), batch_size=1024)
           .sort("order")
           .select_columns(["source", "prompt", "messages", "extra", "prompt_tokens"])
           .materialize())
@@ -184,5 +174,5 @@ def build_prompt_dataset(cfg, path: str, *, num_cpus: int = 1, what: str = "data
     if report.rows == 0:
         raise RapidfireError(f"{what} '{path}': no usable prompt rows ({report.rows_read} read, {report.bad_rows} bad); "
                              "check data.format (prompt) matches the file")
-    report.prompt_tokens = int(ds.sum("prompt_tokens"))
+    report.prompt_tokens = rows.column_sums(ds, ["prompt_tokens"])["prompt_tokens"]
     return ds, report
