@@ -11,6 +11,9 @@ os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 # Ray exports ray.util.metrics every metrics_report_interval_ms (default 10 s; 1 s is its floor):
 # the metrics tests scrape them during a short run.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+# Ray Train's controller polls its workers every 2 s by default: a run's end (and a checkpoint's
+# registration) is seen up to 2 s late, on every one of the suite's runs.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 import pytest  # noqa: E402
 
