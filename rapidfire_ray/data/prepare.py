@@ -80,14 +80,14 @@ def build_sft_dataset(cfg, num_cpus: int = 1, path: str | None = None, key: str 
     # Spread the rows over enough blocks that tokenisation runs on several CPUs.
     blocks = max(1, min(4 * num_cpus, report.rows_read // 512 + 1))
     good = records.filter(expr=col("error") == "").repartition(blocks)
-    concurrency = max(1, min(num_cpus, blocks))
+    tasks = ray.data.TaskPoolStrategy(size=max(1, min(num_cpus, blocks)))
     if d.format == PREFERENCE:  # the pair tokenizer counts its own tokens
         tokens = good.map_batches(partial(tokenize_batch, cls=PreferenceTokenizer, args=(cfg.model.name, d.max_length)),
-                                  batch_size=256, concurrency=concurrency).materialize()
+                                  batch_size=256, compute=tasks).materialize()
     else:
         tokens = (good.map_batches(partial(tokenize_batch, cls=SFTTokenizer,
                                            args=(cfg.model.name, d.format, d.max_length)),
-                                   batch_size=256, concurrency=concurrency)
+                                   batch_size=256, compute=tasks)
                   .map_batches(rows.count_tokens, batch_size=256)
                   .materialize())
     if d.overlong == "drop":

@@ -150,7 +150,8 @@ def build_prompt_dataset(cfg, path: str, *, num_cpus: int = 1, what: str = "data
     blocks = max(1, min(4 * num_cpus, report.rows_read // 512 + 1))
     measured = (records.filter(expr=col("error") == "").repartition(blocks)
                 .map_batches(partial(tokenize_batch, cls=PromptMeasure, args=(cfg.model.name, budget, needs)),
-                             batch_size=256, concurrency=max(1, min(num_cpus, blocks)))
+                             batch_size=256,
+                             compute=ray.data.TaskPoolStrategy(size=max(1, min(num_cpus, blocks))))
                 .materialize())
     # Bad rows are few: bring their source, reason and length over in one pass.
     bad = [r for r in parse_bad.select_columns(["source", "error"]).take_all()]

@@ -9,7 +9,7 @@ import pytest
 
 from rapidfire_ray.config import load_config
 from rapidfire_ray.data.prepare import build_sft_dataset
-from rapidfire_ray.data.tokenize import SFTTokenizer
+from rapidfire_ray.data.tokenize import SFTTokenizer, tokenize_batch
 from rapidfire_ray.errors import RapidfireError
 
 
@@ -62,6 +62,32 @@ def test_chat_trains_on_assistant_replies_only_and_truncates():
 def test_text_rows_are_trained_on_entirely():
     out = SFTTokenizer("tiny-random", "text", 64)(batch_of(text=["hello world"]))
     assert out["loss_mask"][0].all() and not out["truncated"][0]
+
+
+class CountingTokenizer:
+    """Stands in for a tokenizer class: counts how often one is built."""
+    built = 0
+
+    def __init__(self, model_dir: str, max_length: int):
+        CountingTokenizer.built += 1
+        self.max_length = max_length
+
+    def __call__(self, batch):
+        return {"n": [self.max_length] * len(batch["source"])}
+
+
+def test_a_task_worker_builds_its_tokenizer_once_and_again_when_the_files_change(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    batch = batch_of(text=["a", "b"])
+    before = CountingTokenizer.built
+    assert tokenize_batch(batch, CountingTokenizer, (str(tmp_path), 7)) == {"n": [7, 7]}
+    assert tokenize_batch(batch, CountingTokenizer, (str(tmp_path), 7)) == {"n": [7, 7]}
+    assert CountingTokenizer.built == before + 1
+    assert tokenize_batch(batch, CountingTokenizer, (str(tmp_path), 9)) == {"n": [9, 9]}  # other arguments
+    assert CountingTokenizer.built == before + 2
+    (tmp_path / "tokenizer.json").write_text('{"changed": true}')  # same name, new files: built again
+    tokenize_batch(batch, CountingTokenizer, (str(tmp_path), 7))
+    assert CountingTokenizer.built == before + 3
 
 
 def test_pipeline_reads_tokenises_and_reports(ray_cluster, tmp_path):
