@@ -184,24 +184,28 @@ def _train_worker_pids() -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_killed_worker_process_is_replaced_and_the_run_finishes(ray_cluster, tmp_path, capsys):
-    """os.kill of one Ray Train worker once a checkpoint is registered: with max_failures 1 the
+def test_a_killed_worker_process_is_replaced_and_the_run_finishes(ray_cluster, tmp_path, capsys, monkeypatch):
+    """os.kill of one Ray Train worker once a checkpoint is saved: with max_failures 1 the
     group restarts, resumes from the newest checkpoint and finishes; the summary says what the
     failure cost (steps after that checkpoint trained twice, none skipped)."""
     from rapidfire_ray.config import load_config
+    from rapidfire_ray.data.loader import DATA_DELAY_ENV
     from rapidfire_ray.launcher import run
 
+    # Each batch waits 0.25 s at the source: the 24 steps after checkpoint 8 take >= 6 s, time
+    # enough to kill a worker mid-run however fast the machine trains the tiny model.
+    monkeypatch.setenv(DATA_DELAY_ENV, "0.25")
     run_dir = tmp_path / "tiny"
     killed = {}
 
     def kill_when_checkpointed():
         deadline = time.time() + 400
-        # Until Ray Train's controller has registered a checkpoint (it polls the workers every 2 s),
-        # a failure (correctly) restarts from step 0: a folder on storage alone is not enough. So:
-        # the step-8 folder, then time for the controller to register it.
-        while time.time() < deadline and not (run_dir / "checkpoint-00000008").is_dir():
+        # The step-8 checkpoint saved by both ranks (a restart resumes from the newest checkpoint
+        # every rank saved, registered by Ray Train's controller or not), then a moment for it.
+        while time.time() < deadline and not all((run_dir / "checkpoint-00000008" / f"manifest-rank{r}.json").is_file()
+                                                 for r in (0, 1)):
             time.sleep(0.2)
-        time.sleep(8)
+        time.sleep(1.5)
         pids = _train_worker_pids()
         if pids:
             killed["pid"], killed["time"] = pids[-1], time.time()
