@@ -13,7 +13,8 @@ Parts (`--parts`, default all):
   system's throughput with a straggler in it) and end to end (all samples / training wall
   time). Every worker trains its own shard of the data for the same number of steps in both
   modes, so end to end the run still waits for the straggler's last step.
-- convergence: 2 workers, no straggler, the same samples: final loss of `parameter_server`
+- convergence: 2 workers, no straggler, the same samples: final loss (and the mean loss of the
+  last quarter of the steps) of `parameter_server`
   (codec none and --codec) against `allreduce`; bytes per step each way.
 - shards: 4 workers, `parameter_server` with 1, 2 and 4 shards: updates/s per shard and in all,
   push/pull latency, the workers' admission wait: whether the server is the bottleneck.
@@ -147,21 +148,31 @@ def straggler(args, model_dir: str, out: str) -> dict:
             "samples_per_s_ratio_while_all_train": round(ratio, 3), "samples_per_s_ratio_end_to_end": round(e2e, 3)}
 
 
+def tail_loss(r: dict) -> float:
+    """Mean loss of the last quarter of the steps (at least 2): one step's loss on its own batch
+    swings by several percent from step to step."""
+    h = r["loss_history"]
+    return statistics.mean(h[-max(2, len(h) // 4):])
+
+
 def convergence(args, model_dir: str, out: str) -> dict:
     sync = run(args, model_dir, out, "conv-allreduce", 2)
-    res = {"allreduce": sync}
+    res = {"allreduce": {**sync, "tail_loss": round(tail_loss(sync), 4)}}
     for codec in dict.fromkeys(["none", args.codec]):
         r = run(args, model_dir, out, f"conv-ps-{codec}", 2, **{
             "communication.mode": "parameter_server", "communication.ps.num_shards": 2,
             "communication.ps.max_staleness": 1, "optimizer.params.compression.grad": codec})
         gap = r["final_loss"] / sync["final_loss"] - 1
+        tail_gap = tail_loss(r) / tail_loss(sync) - 1
         ps = r["parameter_server"]
         fp32 = sync["communication"]["bytes_sent_per_step"]
         res[f"parameter_server_{codec}"] = {**r, "ps_numbers": ps_numbers(r), "final_loss_gap": round(gap, 4),
+                                            "tail_loss": round(tail_loss(r), 4), "tail_loss_gap": round(tail_gap, 4),
                                             "bytes_pushed_vs_allreduce": round(ps["bytes_pushed_per_step"] / fp32, 4),
                                             "bytes_pulled_vs_allreduce": round(ps["bytes_pulled_per_step"] / fp32, 4)}
         say(f"convergence ({codec}): final loss {r['final_loss']:.4f} vs allreduce {sync['final_loss']:.4f} "
-            f"({gap:+.2%}; target within 3%); bytes per step per worker pushed {ps['bytes_pushed_per_step']:,} "
+            f"({gap:+.2%}; target within 3%), mean of the last quarter {tail_loss(r):.4f} vs {tail_loss(sync):.4f} "
+            f"({tail_gap:+.2%}); bytes per step per worker pushed {ps['bytes_pushed_per_step']:,} "
             f"pulled {ps['bytes_pulled_per_step']:,}, allreduce sent {fp32:,}")
     return res
 
