@@ -188,6 +188,7 @@ def test_a_killed_worker_process_is_replaced_and_the_run_finishes(ray_cluster, t
     """os.kill of one Ray Train worker once a checkpoint is saved: with max_failures 1 the
     group restarts, resumes from the newest checkpoint and finishes; the summary says what the
     failure cost (steps after that checkpoint trained twice, none skipped)."""
+    from rapidfire_ray.checkpoints import MANIFEST_PREFIX
     from rapidfire_ray.config import load_config
     from rapidfire_ray.data.loader import DATA_DELAY_ENV
     from rapidfire_ray.launcher import run
@@ -202,7 +203,7 @@ def test_a_killed_worker_process_is_replaced_and_the_run_finishes(ray_cluster, t
         deadline = time.time() + 400
         # The step-8 checkpoint saved by both ranks (a restart resumes from the newest checkpoint
         # every rank saved, registered by Ray Train's controller or not), then a moment for it.
-        while time.time() < deadline and not all((run_dir / "checkpoint-00000008" / f"manifest-rank{r}.json").is_file()
+        while time.time() < deadline and not all((run_dir / "checkpoint-00000008" / f"{MANIFEST_PREFIX}{r}.json").is_file()
                                                  for r in (0, 1)):
             time.sleep(0.2)
         time.sleep(1.5)

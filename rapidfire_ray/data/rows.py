@@ -7,6 +7,7 @@ which cost seconds per process on a small machine).
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -42,8 +43,6 @@ def _block_sums(batch: dict, columns: Sequence[str]) -> dict:
 def column_sums(ds, columns: Sequence[str]) -> dict[str, int]:
     """Sums of integer columns in one pass of plain map tasks (Ray Data's `sum` starts a
     hash-shuffle aggregation per call, seconds each on a small cluster)."""
-    from functools import partial
-
     totals = dict.fromkeys(columns, 0)
     parts = ds.select_columns(list(columns)).map_batches(partial(_block_sums, columns=tuple(columns)),
                                                          batch_size=None, batch_format="numpy")
