@@ -60,16 +60,21 @@ def main() -> None:
     p.add_argument("--rl-steps", type=int, default=None, help="RL steps of the pipeline (default: the profile's)")
     p.add_argument("--batch-steps", type=int, default=3)
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "pipeline.json"))
+    p.add_argument("--work-dir", default=None,
+                   help="where the runs go (default: a temporary folder, removed at the end); with a folder kept "
+                        "from an interrupted run the pipeline resumes at the stage where it stopped")
     args = p.parse_args()
     result = {"benchmark": "pipeline", "date": time.strftime("%Y-%m-%d"),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
               "settings": vars(args)}
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.work_dir or tmp
         overrides = {"run.output_dir": out, "run.name": "pipeline", "model.name": args.model}
         if args.rl_steps:
             overrides["pipeline.rl.train.max_steps"] = args.rl_steps
         t0 = time.perf_counter()
-        s = rapidfire_ray.train(PIPELINE, overrides=overrides)
+        resume = bool(args.work_dir) and os.path.isdir(os.path.join(out, "pipeline"))
+        s = rapidfire_ray.train(PIPELINE, overrides=overrides, resume=resume)
         result["pipeline"] = s
         result["pipeline_wall_s"] = round(time.perf_counter() - t0, 1)
         ev = s["results"]["reward"].get("reward_eval") or {}
@@ -81,6 +86,7 @@ def main() -> None:
                 f"{cmp['rl_model']['task_score']}; mean reward {cmp['sft_model']['mean_reward']} -> "
                 f"{cmp['rl_model']['mean_reward']}")
 
+        write(result, args.out)  # the pipeline's part, in case the batching comparison is interrupted
         cfg = load_config(PIPELINE, overrides)
         models = {"sft": s["results"]["sft"]["model_dir"], "reward": s["results"]["reward"]["model_dir"]}
         rl_cfg = stage_config(cfg, "rl", models)
@@ -96,11 +102,15 @@ def main() -> None:
         ratio = batching[16]["rollout_tokens_per_s"] / batching[1]["rollout_tokens_per_s"]
         result["batching"] = {"batch_16": batching[16], "batch_1": batching[1], "ratio": round(ratio, 3)}
         say(f"rollout tokens/s, batched vs one at a time: {ratio:.2f}x")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
+    write(result, args.out)
+
+
+def write(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
-    say(f"wrote {args.out}")
+    os.replace(path + ".tmp", path)
+    say(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .diagnose import Finding, check_config, check_token_rows, has_errors
+from .config import worker_range
 from .errors import RapidfireError
 
 DEFAULT_SAMPLE = 200
@@ -238,13 +239,14 @@ def probe_resources(address: str) -> dict:
 def check_cluster(cfg, address: str | None) -> list[Finding]:
     """The cluster the run would use: reachable, authenticated, big enough for its workers."""
     s = cfg.scaling
-    need = f"{s.num_workers} worker(s) x {s.cpus_per_worker} CPU" + (" + 1 GPU" if s.use_gpu else "")
+    workers = worker_range(cfg)[0]  # an elastic run starts once its minimum fits
+    need = f"{workers} worker(s) x {s.cpus_per_worker} CPU" + (" + 1 GPU" if s.use_gpu else "")
     if not address:
         if s.use_gpu:
             import torch
 
             gpus = torch.cuda.device_count()
-            if gpus < s.num_workers:
+            if gpus < workers:
                 return [Finding("error", "resources", "scaling.num_workers",
                                 f"{need} on the embedded local cluster, but this machine has {gpus} GPU(s)",
                                 f"set scaling.num_workers={gpus}" if gpus else "set scaling.use_gpu=false")]
@@ -264,14 +266,14 @@ def check_cluster(cfg, address: str | None) -> list[Finding]:
     fit = workers_that_fit(probe["nodes"], s.cpus_per_worker, s.use_gpu)
     total = {k: sum(n.get(k, 0) for n in probe["nodes"]) for k in ("CPU", "GPU")}
     have = f"{len(probe['nodes'])} node(s), {total['CPU']:g} CPUs, {total['GPU']:g} GPUs"
-    if fit < s.num_workers:
+    if fit < workers:
         return findings + [Finding("error", "resources", "scaling.num_workers",
                                    f"{need} requested, but the cluster ({have}) holds {fit}",
                                    f"set scaling.num_workers={fit}" if fit else "add nodes, or lower "
                                    "scaling.cpus_per_worker")]
     findings.append(Finding("info", "cluster", f"address {address}", f"{have}; room for {fit} worker(s) ({need})"))
     avail = probe["available"]
-    if avail.get("CPU", 0) < s.num_workers * s.cpus_per_worker or (s.use_gpu and avail.get("GPU", 0) < s.num_workers):
+    if avail.get("CPU", 0) < workers * s.cpus_per_worker or (s.use_gpu and avail.get("GPU", 0) < workers):
         findings.append(Finding("warning", "resources_busy", f"address {address}",
                                 f"only {avail.get('CPU', 0):g} CPUs / {avail.get('GPU', 0):g} GPUs free now; the "
                                 "run waits for other jobs to release theirs"))

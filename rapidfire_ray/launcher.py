@@ -24,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from .data.loader import DATA_DELAY_ENV, DynamicBatches  # noqa: E402
 from .data import preference  # noqa: E402
 from .data.prepare import build_sft_dataset, row_lengths  # noqa: E402
-from .data.sharding import TRAIN, ExactSplitDataConfig  # noqa: E402
+from .config import is_elastic, worker_range  # noqa: E402
+from .data.sharding import FULL, TRAIN, ExactSplitDataConfig  # noqa: E402
 from .data.sources import list_data_files  # noqa: E402
 from .errors import RapidfireError, RunFailed  # noqa: E402
 from . import faults  # noqa: E402
@@ -34,7 +35,7 @@ from .models import load_tokenizer  # noqa: E402
 from .atomic import atomic_write_json, atomic_write_jsonl
 from .ps.driver import SHARD_CPUS, ParameterServer  # noqa: E402
 from .placement import on_driver_node, wait_for_workers  # noqa: E402
-from .recovery import recovery_line, recovery_summary  # noqa: E402
+from .recovery import elastic_line, elastic_summary, final_world_size, recovery_line, recovery_summary  # noqa: E402
 from .results import (  # noqa: E402
            export_model,
            memory_check,
@@ -57,6 +58,11 @@ WORKER_ENV = {
 
 def say(msg: str) -> None:
     print(f"[rapidfire] {msg}", flush=True)
+
+
+def workers_text(cfg: DictConfig) -> str:
+    lo, hi = worker_range(cfg)
+    return f"{lo} worker(s)" if lo == hi else f"{lo} to {hi} workers (elastic, batch policy {cfg.scaling.elastic.batch})"
 
 
 def run_dir_of(cfg: DictConfig) -> str:
@@ -116,7 +122,7 @@ def connect(address: str | None, cfg: DictConfig, extra_cpus: float = 0.0) -> No
                                  "cluster is up, and RAY_AUTH_MODE=token with its token for a token-auth cluster")
         say(f"connected to Ray cluster at {address}")
         return
-    need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + extra_cpus
+    need = worker_range(cfg)[1] * cfg.scaling.cpus_per_worker + extra_cpus
     if cfg.communication.mode == "parameter_server":  # the shard actors' share (one shard by default here)
         need += math.ceil(SHARD_CPUS * (cfg.communication.ps.num_shards or 1))
     # One CPU beyond the workers' share, so Ray Data can still run tasks while they train.
@@ -136,7 +142,7 @@ def dynamic_batch_lengths(cfg: DictConfig, ds):
     if strategy == "token_budget":
         batches = DynamicBatches.token_budget(cfg, lengths)
         try:
-            steps = len(batches.plan(cfg.scaling.num_workers)[0])
+            steps = [len(batches.plan(n)[0]) for n in sorted(set(worker_range(cfg)))][0]
         except ValueError as e:
             raise RapidfireError(f"data.dynamic_batch: {e}") from None
         say(f"token_budget: {batches.description}, {steps} batches per worker per epoch")
@@ -157,7 +163,8 @@ def _trainer_class(cfg: DictConfig):
 
 
 def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_config, start_line: str,
-                control=None, trainer_class=None, extra_env: dict | None = None, max_failures: int | None = None):
+                control=None, trainer_class=None, extra_env: dict | None = None, max_failures: int | None = None,
+                more_datasets: dict | None = None):
     """Ray Train's worker group for a run, started and watched: the workers' resource request
     made visible (and bounded by scaling.placement_timeout_s) while the cluster or its autoscaler
     cannot place it, the workers' environment (ours, injected faults, `extra_env`), failures
@@ -166,10 +173,12 @@ def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    lo, hi = worker_range(cfg)
+    elastic = {"elastic_resize_monitor_interval_s": cfg.scaling.elastic.resize_interval_s} if lo != hi else {}
     trainer = (trainer_class or TorchTrainer)(
         loop,
         train_loop_config=loop_config,
-        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+        scaling_config=ScalingConfig(num_workers=(lo, hi) if lo != hi else lo, use_gpu=cfg.scaling.use_gpu, **elastic,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
                                                            **cfg.scaling.resources_per_worker},
                                      placement_strategy=cfg.scaling.placement),
@@ -187,11 +196,11 @@ def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_
                                              "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker),
                                              **(extra_env or {})}},
         ),
-        datasets={TRAIN: ds},
+        datasets={TRAIN: ds, **(more_datasets or {})},
         dataset_config=dataset_config,
     )
     scaling = trainer.scaling_config
-    wait_for_workers(scaling._resources_per_worker_not_none, cfg.scaling.num_workers, cfg.scaling.placement,
+    wait_for_workers(scaling._resources_per_worker_not_none, lo, cfg.scaling.placement,
                      cfg.scaling.placement_timeout_s, say)
     say(start_line)
     with ProgressPrinter(board), (ControlWatcher(control) if control is not None else contextlib.nullcontext()):
@@ -232,8 +241,9 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     num_cpus = int(ray.available_resources().get("CPU", 1))
     ds, report = build_sft_dataset(cfg, num_cpus=max(1, num_cpus - 1))
     say(report.describe())
-    if report.rows < cfg.scaling.num_workers:
-        raise RapidfireError(f"scaling.num_workers: {cfg.scaling.num_workers} workers but only {report.rows} "
+    max_workers = worker_range(cfg)[1]
+    if report.rows < max_workers:
+        raise RapidfireError(f"scaling.num_workers: {max_workers} workers but only {report.rows} "
                              "usable rows; use fewer workers or more data")
     held_out = reward_stage.held_out_dataset(cfg, num_cpus=max(1, num_cpus - 1))  # None without data.eval_path
     if held_out is not None:
@@ -258,12 +268,13 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
             {"cfg": plain, "num_rows": report.rows, "board": board, "sample_rows": sample_rows, "lengths": lengths,
              "ps_shards": ps.handles if ps is not None else None, "control": control},
             ds=ds, board=board, control=control, trainer_class=_trainer_class(cfg),
+            more_datasets={FULL: ds} if is_elastic(cfg) else None,
             dataset_config=ExactSplitDataConfig(shard_by_node=cfg.data.shard_by_node, board=board,
                                                 saved_plan=saved_shard_plan(run_dir) if resume else None),
             extra_env={**(allocator.worker_env() if memory_options.defragment else {}),
                        # a CPU worker on a GPU node must not pick DeepSpeed's CUDA side
                        **({"DS_ACCELERATOR": "cpu"} if memory_options.zero_stage and not cfg.scaling.use_gpu else {})},
-            start_line=f"training: stage {cfg.train.stage}, model {cfg.model.name}, {cfg.scaling.num_workers} worker(s)"
+            start_line=f"training: stage {cfg.train.stage}, model {cfg.model.name}, {workers_text(cfg)}"
             + (", resuming from the latest checkpoint" if resume else ""))
         snapshot = ray.get(board.snapshot.remote())
         memory_model = ray.get(board.get.remote("memory_model"))
@@ -271,7 +282,9 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
         guard = ray.get(board.get.remote("guard"))
         checkpoint_fallback = ray.get(board.get.remote("checkpoint_fallback"))
         control_info = ray.get(control.info.remote())
-        held = [ray.get(board.get.remote(f"held_bytes/{r}")) for r in range(cfg.scaling.num_workers)]
+        held = [h for h in ray.get([board.get.remote(f"held_bytes/{r}") for r in range(max_workers)]) if h is not None]
+        attempts = ray.get(board.get.remote("attempts")) or 0
+        elastic_starts = [ray.get(board.get.remote(f"elastic/{a}")) for a in range(attempts)] if is_elastic(cfg) else []
         if ps is not None:
             if result.checkpoint is not None:
                 ps.finalize(result.checkpoint.path)
@@ -288,7 +301,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     if result.checkpoint is not None:
         with result.checkpoint.as_directory() as ckpt:
             model_dir = export_model(ckpt, os.path.join(run_dir, "model"))
-    summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=cfg.scaling.num_workers,
+    summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=final_world_size(snapshot["steps"], cfg),
                         model_dir=model_dir, data=report.to_dict(), wall_s=time.time() - t_start)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint is not None else None
     summary["communication"] = {"mode": cfg.communication.mode, **(summary["communication"] or {})}
@@ -302,6 +315,9 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     summary["recovery"] = recovery_summary(snapshot["steps"], checkpoint_fallback)
     if recovery_line(summary["recovery"]):
         say(recovery_line(summary["recovery"]))
+    if is_elastic(cfg):
+        summary["elastic"] = elastic_summary(cfg, snapshot["steps"], elastic_starts, report.rows)
+        say(elastic_line(summary["elastic"]))
     if memory is not None:
         summary["memory"] = {**{k: v for k, v in memory.items() if k not in ("description", "held_bytes")},
                              "held_bytes_per_worker": held, "peak_memory_bytes": summary["peak_memory_bytes"]}

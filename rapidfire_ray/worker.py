@@ -5,6 +5,7 @@ count, progress board handle, a sample row for TRL's start-up checks).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -16,7 +17,9 @@ import ray.train
 import ray.train.torch
 import torch
 
+from . import elastic
 from .comm.training import TrainerComm
+from .config import is_elastic
 from .data.backoff import OOMBackoff
 from .data.loader import DynamicBatches, ShardLoader
 from .data.sharding import PLAN_KEY, TRAIN, ShardPlan
@@ -51,12 +54,17 @@ STAGES = {
 
 def train_loop_per_worker(config: dict) -> None:
     redact_std_streams()  # secret env values never reach this worker's logs
-    cfg = config["cfg"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    cfg = elastic.adapt(config["cfg"], world)  # an elastic run's batch or learning rate at this worker count
+    elastic_run = is_elastic(cfg)
     use_gpu = cfg["scaling"]["use_gpu"]
     torch.set_num_threads(cfg["scaling"]["cpus_per_worker"])
     torch.manual_seed(cfg["run"]["seed"])
+
+    # The newest checkpoint whose files match their manifests (a truncated one is skipped, said once).
+    checkpoint = _resume_checkpoint(cfg, config["board"], rank, world)
+    attempt = _attempt(config["board"], rank)  # which worker group of the run this is (0: the first)
 
     device = ray.train.torch.get_device()
     # Measured before the model exists: memory_aware batching budgets against it.
@@ -81,6 +89,22 @@ def train_loop_per_worker(config: dict) -> None:
                          world_size=world, batch_size=cfg["train"]["per_device_batch_size"],
                          pad_id=tokenizer.pad_token_id, prefetch_depth=cfg["data"]["prefetch_depth"],
                          seed=cfg["run"]["seed"], budget=dynamic, rank_rows=[plan.rows(r) for r in range(world)])
+    train_loader, resume_info = loader, None
+    if elastic_run:  # the rest of the checkpoint's epoch over this worker count, then full epochs
+        with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as ckpt_dir:
+            train_loader, resume_info = elastic.build_loader(
+                cfg, loader, ray.train.get_dataset_shard(elastic.FULL), ckpt_dir, rank=rank, world=world,
+                num_rows=config["num_rows"], pad_id=tokenizer.pad_token_id, budget=dynamic)
+            start_step = elastic.checkpoint_step(ckpt_dir) if ckpt_dir is not None else 0
+        steps = elastic.max_steps(train_loader, start_step, args.gradient_accumulation_steps)
+        if steps is not None:
+            args.max_steps = steps
+        if rank == 0:
+            ray.get(config["board"].put.remote(f"elastic/{attempt}", {
+                **resume_info, "start_step": start_step, "max_steps": args.max_steps,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "learning_rate": cfg["optimizer"]["params"]["lr"],
+                "global_batch_rows": world * cfg["train"]["per_device_batch_size"] * args.gradient_accumulation_steps}))
     if dynamic is not None and dynamic.memory is not None and rank == 0:
         config["board"].put.remote("memory_model", _memory_report(dynamic, loader, baseline_bytes))
     planning_free = dynamic.free_bytes if dynamic is not None and dynamic.memory is not None else free_bytes
@@ -90,17 +114,21 @@ def train_loop_per_worker(config: dict) -> None:
     timer = StepTimer()
     backoff = OOMBackoff()
     backoff.ceiling = cfg["memory"].get("max_forward_tokens")
-    comm = TrainerComm(cfg, rank=rank, total_steps=_total_steps(cfg, len(loader)), timer=timer,
-                       shards=config.get("ps_shards"))
-    metrics, knobs = _live_telemetry(cfg, config.get("control"), rank, loader, backoff, comm)
-    callback = RayRunCallback(board=config["board"], timer=timer, loader=loader, rank=rank,
+    comm = TrainerComm(cfg, rank=rank, total_steps=args.max_steps if elastic_run and args.max_steps > 0
+                       else _total_steps(cfg, len(loader)), timer=timer, shards=config.get("ps_shards"))
+    metrics, knobs = _live_telemetry(cfg, config.get("control"), rank, train_loader, backoff, comm)
+    callback = RayRunCallback(board=config["board"], timer=timer, loader=train_loader, rank=rank,
+                              stamp={"world": world, "attempt": attempt},
                               every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json(),
                               backoff=backoff, comm=comm, memory=memory, metrics=metrics, knobs=knobs,
                               memory_limit_bytes=baseline_bytes + free_bytes,
                               preemption=PreemptionCheck(config["board"], rank)
                               if cfg["checkpoint"]["on_preemption"]
                               and cfg["communication"]["mode"] != "parameter_server" else None)
-    trainer = make_trainer(args, model, tokenizer, loader, config["sample_rows"], callbacks=[callback])
+    callbacks = [callback]
+    if elastic_run and cfg["scaling"]["elastic"]["batch"] == "scale_lr":
+        callbacks.append(elastic.ScaledLR(cfg["optimizer"]["params"]["lr"]))
+    trainer = make_trainer(args, model, tokenizer, train_loader, config["sample_rows"], callbacks=callbacks)
     trainer.rf_timer = timer
     trainer.rf_defragment = memory.options.defragment
     trainer.rf_backoff = backoff
@@ -109,15 +137,14 @@ def train_loop_per_worker(config: dict) -> None:
     trainer.rf_slowdown = slowdown_for_rank(rank)
     trainer.rf_crash_step = crash_step(cfg["train"]["stage"], rank)
 
-    # The newest checkpoint whose files match their manifests (a truncated one is skipped, said once).
-    checkpoint = _resume_checkpoint(cfg, config["board"], rank, world)
     try:
         if checkpoint is None:
             trainer.train()
         else:
             with checkpoint.as_directory() as ckpt_dir:
-                loader.skip_next(_batches_done_in_epoch(ckpt_dir, len(loader),
-                                                        cfg["train"]["gradient_accumulation_steps"]))
+                if not elastic_run:  # a fixed-size run skips what it trained of the same shard
+                    loader.skip_next(_batches_done_in_epoch(ckpt_dir, len(loader),
+                                                            cfg["train"]["gradient_accumulation_steps"]))
                 comm.load(ckpt_dir)
                 trainer.train(resume_from_checkpoint=ckpt_dir)
         ps_report = comm.finish()
@@ -180,6 +207,19 @@ def _resume_checkpoint(cfg: dict, board, rank: int, world: int):
 
     fs = registered.filesystem if registered is not None else pyarrow.fs.LocalFileSystem()
     return ray.train.Checkpoint(choice[0], filesystem=fs)
+
+
+def _attempt(board, rank: int) -> int | None:
+    """How many worker groups of this run started before this one (rank 0 counts them on the
+    progress board and tells the others); None without a process group."""
+    if not torch.distributed.is_initialized():
+        return None
+    value = [None]
+    if rank == 0:
+        value = [(ray.get(board.get.remote("attempts")) or 0)]
+        ray.get(board.put.remote("attempts", value[0] + 1))
+    torch.distributed.broadcast_object_list(value, src=0)
+    return value[0]
 
 
 def _checkpoint_note(board, rank: int):

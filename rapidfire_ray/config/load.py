@@ -165,8 +165,22 @@ def _get(cfg: DictConfig, key: str) -> Any:
     return OmegaConf.select(cfg, key)
 
 
+def worker_range(cfg) -> tuple[int, int]:
+    """(min, max) workers of a validated config: `scaling.num_workers` n is (n, n)."""
+    n = cfg["scaling"]["num_workers"]
+    if isinstance(n, int):
+        return n, n
+    return int(n[0]), int(n[1])
+
+
+def is_elastic(cfg) -> bool:
+    lo, hi = worker_range(cfg)
+    return lo != hi
+
+
 def validate(cfg: DictConfig) -> None:
     """Check choices, ranges and cross-key rules; raise RapidfireError on the first problem."""
+    _check_scaling(cfg)
     if cfg.monitor.adjust == "False":  # YAML reads a bare `off` as false
         cfg.monitor.adjust = "off"
     for key, allowed in CHOICES.items():
@@ -226,6 +240,41 @@ def validate(cfg: DictConfig) -> None:
         raise RapidfireError("data.path: '' is empty; point it at a .jsonl/.parquet file or a folder")
 
 
+def _check_scaling(cfg: DictConfig) -> None:
+    """scaling.num_workers: a count, or [min, max] for an elastic run (and what elastic runs exclude)."""
+    n = cfg.scaling.num_workers
+    if isinstance(n, bool) or not (isinstance(n, int) or (OmegaConf.is_list(n) or isinstance(n, (list, tuple)))):
+        raise RapidfireError(f"scaling.num_workers: {_show(n)} is invalid; allowed: a number of workers >= 1, "
+                             "or [min, max] for an elastic run (e.g. [1, 4])")
+    if isinstance(n, int):
+        if n < 1:
+            raise RapidfireError(f"scaling.num_workers: {n} is out of range; allowed: >= 1")
+        return
+    n = list(n)
+    if len(n) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in n) or not 1 <= n[0] <= n[1]:
+        raise RapidfireError(f"scaling.num_workers: {n} is invalid; allowed: [min, max] with 1 <= min <= max "
+                             "(e.g. [1, 4]), or one number for a fixed worker count")
+    if n[0] == n[1]:
+        cfg.scaling.num_workers = n[0]
+        return
+    cfg.scaling.num_workers = n  # a plain list, whatever node type the merge made
+    why = None
+    if cfg.train.stage in ("rl", "pipeline"):
+        why = (f"train.stage {cfg.train.stage} runs its policy workers with a fixed count; use an elastic "
+               "scaling.num_workers for the sft and reward stages, one number here")
+    elif cfg.communication.mode == "parameter_server":
+        why = "communication.mode parameter_server keeps per-worker push state on its shards; use allreduce or " \
+              "allreduce_compressed, or one number of workers"
+    elif cfg.memory.optim_level == "level3" or cfg.scaling.hybrid_parallel:
+        why = "ZeRO-3 checkpoints are partitioned per worker and load only into the same count; use " \
+              "memory.optim_level level2 or lower, or one number of workers"
+    elif cfg.train.max_steps == -1 and float(cfg.train.epochs) != int(cfg.train.epochs):
+        why = f"elastic runs count whole epochs (train.epochs {cfg.train.epochs}); use a whole number of epochs " \
+              "or train.max_steps"
+    if why:
+        raise RapidfireError(f"scaling.num_workers: {n} (elastic): {why}")
+
+
 def _check_communication(cfg: DictConfig) -> None:
     """Which optimizer, codec and communication mode go together."""
     grad, mode, optimizer = cfg.optimizer.params.compression.grad, cfg.communication.mode, cfg.optimizer.type
@@ -260,7 +309,7 @@ def _check_communication(cfg: DictConfig) -> None:
 
 def _check_memory(cfg: DictConfig) -> None:
     """Memory level, sharding and precision combinations that cannot work."""
-    level, workers, mem = cfg.memory.optim_level, cfg.scaling.num_workers, cfg.memory
+    level, workers, mem = cfg.memory.optim_level, worker_range(cfg)[0], cfg.memory
     sharded = level == "level3" or cfg.scaling.hybrid_parallel
     what = "scaling.hybrid_parallel" if cfg.scaling.hybrid_parallel else "memory.optim_level: level3"
     if sharded and workers < 2:

@@ -112,8 +112,23 @@ class OptimizerSection:
 
 
 @dataclass
+class ElasticSection:
+    batch: str = opt("accumulate", "elastic runs (scaling.num_workers [min, max]): how the global batch follows "
+                                   "the worker count. accumulate: gradient accumulation x max/workers (the global "
+                                   "batch of max workers kept, to the nearest whole step); scale_lr: the learning "
+                                   "rate x workers/max (linear scaling rule); none: per-worker batch and learning "
+                                   "rate unchanged")
+    resize_interval_s: float = opt(60.0, "elastic runs: seconds between two checks for more workers' resources "
+                                         "while training (a resize restarts the workers from the latest "
+                                         "checkpoint)")
+
+
+@dataclass
 class ScalingSection:
-    num_workers: int = opt(2, "Ray Train workers (one process each)")
+    num_workers: Any = opt(2, "Ray Train workers (one process each); [min, max] for an elastic run that starts "
+                              "once min fit, grows to max as nodes join and shrinks (down to min) when nodes "
+                              "leave, resuming from its latest checkpoint each time")
+    elastic: ElasticSection = field(default_factory=ElasticSection)
     use_gpu: bool = opt(False, "one GPU per worker when true")
     cpus_per_worker: int = opt(1, "CPUs reserved per worker; also its torch thread count")
     placement: str = opt("PACK", "where Ray puts the workers: PACK (fill a node first) or SPREAD (one per node "
@@ -284,6 +299,7 @@ class RapidfireConfig:
 
 # key -> the values it accepts
 CHOICES = {
+    "scaling.elastic.batch": ("accumulate", "scale_lr", "none"),
     "monitor.adjust": ("auto", "off"),
     "data.format": ("text", "prompt_completion", "messages", "oasst", "prompt", "preference"),
     "data.on_bad_row": ("skip", "fail"),
@@ -336,7 +352,7 @@ RANGES = {
     "optimizer.params.compression.min_numel": (0, None),
     "optimizer.params.compression.chunk_size": (8, None),
     "optimizer.params.compression.auto_interval": (1, None),
-    "scaling.num_workers": (1, None),
+    "scaling.elastic.resize_interval_s": (1.0, None),
     "scaling.cpus_per_worker": (1, None),
     "scaling.max_failures": (0, None),
     "scaling.placement_timeout_s": (0.0, None),

@@ -167,6 +167,7 @@ class ShardLoader:
         self.rows_yielded = 0
         self.tokens_yielded = 0  # real tokens (not padding)
         self.padded_tokens_yielded = 0  # tokens including padding: what the model computes on
+        self._epoch_pos: list[int] = []  # shard places of the rows handed out in the current pass
 
     def __len__(self) -> int:
         return self.num_batches
@@ -174,23 +175,31 @@ class ShardLoader:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def epoch_rows(self) -> np.ndarray:
+        """Global indices of the rows handed out in the current pass over the shard (skipped
+        batches not included)."""
+        return self.rank_rows[np.asarray(self._epoch_pos, dtype=np.int64)]
+
     def skip_next(self, num_batches: int) -> None:
         """Skip the first `num_batches` of the next epoch iterated (resume inside an epoch)."""
         self._skip = num_batches
 
     def _stored_rows(self) -> Iterator[dict[str, Any]]:
         """The shard's rows in stored order, read with Ray Data's background prefetching."""
+        pos = 0  # the row's place in the shard: self.rank_rows[pos] is its global index
         for b in self.shard.iter_batches(batch_size=self.batch_size, batch_format="numpy",
                                          prefetch_batches=self.prefetch_depth, drop_last=False):
             masks, sources = b.get("loss_mask"), b.get("source")  # optional for users' own datasets
             if "chosen_ids" in b:  # preference pairs (data/preference.py)
                 for i in range(len(b["chosen_ids"])):
                     yield {"chosen_ids": b["chosen_ids"][i], "rejected_ids": b["rejected_ids"][i],
-                           "source": None if sources is None else sources[i]}
+                           "source": None if sources is None else sources[i], "pos": pos}
+                    pos += 1
                 continue
             for i in range(len(b["input_ids"])):
                 yield {"input_ids": b["input_ids"][i], "loss_mask": None if masks is None else masks[i],
-                       "source": None if sources is None else sources[i]}
+                       "source": None if sources is None else sources[i], "pos": pos}
+                pos += 1
 
     def _shuffled_rows(self) -> Iterator[dict[str, Any]]:
         """The shard's rows in a seeded per-epoch order: a shuffle buffer of SHUFFLE_BUFFER_ROWS
@@ -248,12 +257,13 @@ class ShardLoader:
             batch = collate_pairs(chunk, self.pad_id) if is_pair_row(chunk[0]) else collate(chunk, self.pad_id)
             if self.with_sources:
                 batch["sources"] = [str(r["source"]) for r in chunk]
-            yield batch, len(chunk)
+            yield batch, [r["pos"] for r in chunk]
         if index != self.num_batches:
             raise RuntimeError(f"data shard gave {index} batches, {self.num_batches} were planned")
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         skip, self._skip = self._skip, 0
+        self._epoch_pos = []
         ahead = _Ahead(self._prepared(skip), lambda: self.prefetch_depth)
         try:
             while True:
@@ -261,9 +271,10 @@ class ShardLoader:
                 item = ahead.get()
                 if item is _END:
                     break
-                batch, size = item
+                batch, positions = item
                 self.wait_s += time.perf_counter() - t0
-                self.rows_yielded += size
+                self._epoch_pos.extend(positions)
+                self.rows_yielded += len(positions)
                 self.tokens_yielded += int(batch["attention_mask"].sum())
                 self.padded_tokens_yielded += batch["attention_mask"].numel()
                 yield batch

@@ -36,6 +36,7 @@ import numpy as np
 from ray.train import DataConfig
 
 TRAIN = "train"
+FULL = "train_full"  # elastic runs: the whole training dataset too, for the rest of an epoch after a resize
 PLAN_KEY = "shard_plan"  # the progress board key the plan is published under
 
 logger = logging.getLogger(__name__)
@@ -232,8 +233,8 @@ def block_layout(ds, worker_node_ids: Sequence[str | None] = (), timeout_s: floa
 
 
 class ExactSplitDataConfig(DataConfig):
-    """Split the `train` dataset into the exact shards of a `ShardPlan`; other datasets go whole to
-    each worker.
+    """Split the `train` dataset into the exact shards of a `ShardPlan`; other datasets (`train_full`
+    of an elastic run) go whole to each worker, in dataset order.
 
     `shard_by_node`: build the plan from the blocks' locations when the workers span several
     nodes. `saved_plan`: a plan (`ShardPlan.to_json()`) from the run being resumed; used when it
@@ -285,7 +286,8 @@ class ExactSplitDataConfig(DataConfig):
 
         output: list[dict[str, object]] = [{} for _ in range(world_size)]
         for name, ds in datasets.items():
-            if name != TRAIN:
+            if name != TRAIN:  # whole, in dataset order (an elastic run's workers pick their rows by index)
+                ds.context.execution_options.preserve_order = True
                 for i in range(world_size):
                     output[i][name] = ds.iterator()
                 continue

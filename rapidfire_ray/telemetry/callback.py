@@ -11,6 +11,7 @@ from transformers import TrainerCallback
 
 from ..atomic import atomic_write_json
 from ..checkpoints import write_manifest
+from ..data.elastic import write_position
 from .timing import StepTimer, peak_memory_bytes
 
 SHARD_PLAN_FILE = "shard_plan.json"
@@ -33,7 +34,7 @@ class OptimizerClock(TrainerCallback):
 class RayRunCallback(OptimizerClock):
     def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int, shard_plan: dict | None = None,
                  backoff=None, comm=None, memory=None, metrics=None, knobs=None, memory_limit_bytes=None,
-                 preemption=None):
+                 preemption=None, stamp: dict | None = None):
         self.board = board
         self.timer = timer
         self.loader = loader
@@ -50,6 +51,7 @@ class RayRunCallback(OptimizerClock):
         self.knobs = knobs  # telemetry.control.KnobClient: live knob changes, applied at step boundaries
         self.memory_limit_bytes = memory_limit_bytes
         self.preemption = preemption  # preemption.PreemptionCheck: a node's preemption notice -> checkpoint
+        self.stamp = stamp or {}  # put on every step record: the worker count and worker group (attempt)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.comm is not None:
@@ -85,7 +87,8 @@ class RayRunCallback(OptimizerClock):
         samples, tokens, padded = (now - before for now, before in zip(counts, self._counts))
         self._counts = counts
         record = {
-            "rank": self.rank, "step": state.global_step, "time": time.time(), "pid": os.getpid(), "phases": phases,
+            "rank": self.rank, "step": state.global_step, "time": time.time(), "pid": os.getpid(), **self.stamp,
+            "phases": phases,
             "samples": samples, "tokens": tokens, "padded_tokens": padded, "peak_memory_bytes": peak_memory_bytes(),
             "oom_splits": self._new_oom_splits(), **comm,
             **(self.memory.take_step() if self.memory is not None else {}),
@@ -99,6 +102,8 @@ class RayRunCallback(OptimizerClock):
         # Save on schedule and always at the last step (transformers only saves on the schedule).
         if state.global_step >= state.max_steps or (self.every_steps and state.global_step % self.every_steps == 0):
             control.should_save = True
+        if getattr(self.loader, "finished", False):  # an elastic run's stream handed out its last epoch
+            control.should_save = control.should_training_stop = True
         if self.preemption is not None and state.global_step < state.max_steps:
             self.preemption.step_end(state.global_step, control)
         if control.should_save and self.comm is not None:
@@ -129,6 +134,8 @@ class RayRunCallback(OptimizerClock):
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if self.rank == 0 and self.shard_plan is not None and os.path.isdir(path):
             atomic_write_json(os.path.join(path, SHARD_PLAN_FILE), self.shard_plan)
+        if hasattr(self.loader, "position") and os.path.isdir(path):  # an elastic run: the rows of this epoch
+            write_position(path, self.rank, *self.loader.position())
         if self.comm is not None and os.path.isdir(path):
             path = self.comm.save(path)  # this rank's error-feedback state
         if os.path.isdir(path):  # last: sizes and sha256 of everything this rank saved, checked at resume

@@ -23,6 +23,8 @@ import time
 
 import ray
 
+from ..config import worker_range
+
 from .rules import CODEC_KNOB, KNOBS, RuleState, Settings, check_knob_value, codec_is_live, evaluate
 from .progress import Poller
 
@@ -200,7 +202,7 @@ def run_control(cfg, board):
     if codec_is_live(cfg.communication.mode, codec):
         knobs[CODEC_KNOB] = codec
     return start_control(cfg.run.name, board, Settings.from_config(cfg), knobs,
-                         world_size=cfg.scaling.num_workers, every_steps=cfg.train.log_every_steps,
+                         world_size=worker_range(cfg)[1], every_steps=cfg.train.log_every_steps,
                          mode=cfg.communication.mode, codec=cfg.optimizer.params.compression.grad,
                          interval_s=cfg.monitor.interval_s)
 
