@@ -16,6 +16,7 @@ import re
 from .atomic import atomic_write_json
 
 MANIFEST_PREFIX = "manifest-rank"
+SHARD_PLAN_FILE = "shard_plan.json"  # rank 0 saves the run's shard plan with every checkpoint
 _CKPT_NAME = re.compile(r"checkpoint-(\d+)$")
 
 
@@ -70,11 +71,18 @@ def step_of(name: str) -> int | None:
 
 
 def complete(folder: str, world_size: int) -> bool:
-    """Every rank 0..world_size-1 left its manifest in `folder` (all ranks' parts were stored)."""
+    """Every rank of the worker group that saved `folder` left its manifest there (all ranks'
+    parts were stored). That group's size is the one in its shard plan (an elastic run's earlier
+    group may have had another size), else `world_size`."""
     try:
         names = set(os.listdir(folder))
     except OSError:
         return False
+    try:
+        with open(os.path.join(folder, SHARD_PLAN_FILE), encoding="utf-8") as f:
+            world_size = len(json.load(f)["ranges"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
     return all(f"{MANIFEST_PREFIX}{r}.json" in names for r in range(world_size))
 
 

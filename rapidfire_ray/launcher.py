@@ -44,7 +44,7 @@ from .results import (  # noqa: E402
            summarise,
 )
 from .stages import reward_eval as reward_stage  # noqa: E402
-from .telemetry.callback import SHARD_PLAN_FILE  # noqa: E402
+from .checkpoints import SHARD_PLAN_FILE  # noqa: E402
 from .telemetry.progress import ProgressBoard, ProgressPrinter  # noqa: E402
 from .telemetry.control import ControlWatcher, adjustments_summary, run_control, stop_control  # noqa: E402
 

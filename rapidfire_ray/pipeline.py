@@ -100,7 +100,8 @@ def _has_checkpoint(stage_dir: str) -> bool:
 
 
 def run_pipeline(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
-    from .launcher import run  # the single-stage driver
+    from .config import worker_range
+    from .launcher import connect, run  # the single-stage driver
 
     stages = list(cfg.pipeline.stages)
     if not stages or any(s not in STAGES for s in stages) or len(set(stages)) != len(stages):
@@ -111,8 +112,12 @@ def run_pipeline(cfg: DictConfig, *, address: str | None = None, resume: bool = 
     root = pipeline_dir(cfg)
     planned = {s: os.path.join(root, s, "model") for s in stages}
     # Every stage's config, checked now (models of later stages are the earlier stages' outputs).
-    for s in stages:
-        stage_config(cfg, s, {p: planned[p] for p in stages[:stages.index(s)]})
+    checked = {s: stage_config(cfg, s, {p: planned[p] for p in stages[:stages.index(s)]}) for s in stages}
+    # One cluster for every stage: an embedded one is sized for the stage that needs the most CPUs
+    # (the RL stage's reward actors too), so Ray Data still gets a CPU in each.
+    extra = {s: c.rl.reward.num_actors * c.rl.reward.cpus_per_actor if s == "rl" else 0.0 for s, c in checked.items()}
+    biggest = max(stages, key=lambda s: worker_range(checked[s])[1] * checked[s].scaling.cpus_per_worker + extra[s])
+    connect(address, checked[biggest], extra_cpus=extra[biggest])
     states = {s: _stage_state(os.path.join(root, s)) for s in stages}
     if not resume and any(st != "new" for st in states.values()):
         started = [s for s in stages if states[s] != "new"]

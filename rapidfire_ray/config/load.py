@@ -265,6 +265,9 @@ def _check_scaling(cfg: DictConfig) -> None:
     elif cfg.communication.mode == "parameter_server":
         why = "communication.mode parameter_server keeps per-worker push state on its shards; use allreduce or " \
               "allreduce_compressed, or one number of workers"
+    elif cfg.optimizer.type == "rapidfire_adamw":
+        why = "rapidfire_adamw's error-feedback buffers are laid out for one worker count; use optimizer.type " \
+              "adamw (with communication.mode allreduce_compressed to compress), or one number of workers"
     elif cfg.memory.optim_level == "level3" or cfg.scaling.hybrid_parallel:
         why = "ZeRO-3 checkpoints are partitioned per worker and load only into the same count; use " \
               "memory.optim_level level2 or lower, or one number of workers"

@@ -14,8 +14,10 @@ batches and the batches per epoch all depend on the worker count, so a fixed-siz
   count's full epochs follow, with its own shard plan.
 - `ElasticLoader` is that stream. It owns the epoch counter: transformers' "epochs" are only
   chunks of `len(loader)` batches taken from the stream (an iterator that is not exhausted goes
-  on where it stopped at the next `iter()`), and `finished` says the last epoch's last batch has
-  been handed out (`train.epochs` runs), when the trainer callback saves and stops.
+  on where it stopped at the next `iter()`). For a `train.epochs` run one chunk is the whole
+  rest of the run: transformers steps the optimizer at the end of its epoch, so a chunk that
+  ended early inside an accumulation group would leave that group unstepped. `finished` says
+  the last epoch's last batch has been handed out, when the trainer callback saves and stops.
 
 Fixed-size runs keep the plain `ShardLoader` and its resume.
 """
@@ -136,7 +138,10 @@ class ElasticLoader:
             self.remainder.set_prefetch_depth(depth)
 
     def __len__(self) -> int:
-        return len(self.full)
+        """Batches transformers takes per iter(): the whole rest of a `train.epochs` run (so the
+        last accumulation group of the run ends an "epoch" of transformers and is stepped), one
+        full epoch of a `train.max_steps` run."""
+        return self._remaining if self._remaining is not None else len(self.full)
 
     def set_epoch(self, epoch: int) -> None:
         """transformers' epoch number: ignored, the stream counts its own epochs."""

@@ -10,11 +10,10 @@ import ray.train
 from transformers import TrainerCallback
 
 from ..atomic import atomic_write_json
-from ..checkpoints import write_manifest
+from ..checkpoints import SHARD_PLAN_FILE, write_manifest
 from ..data.elastic import write_position
 from .timing import StepTimer, peak_memory_bytes
 
-SHARD_PLAN_FILE = "shard_plan.json"
 
 
 class OptimizerClock(TrainerCallback):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rapidfire_ray import elastic
-from rapidfire_ray.data.elastic import (ElasticLoader, optimizer_steps, read_position, remainder_shares,
+from rapidfire_ray.data.elastic import (optimizer_steps, read_position, remainder_shares,
                                         write_position)
 from rapidfire_ray.data.loader import ShardLoader
 from rapidfire_ray.data.sharding import FULL, TRAIN, ExactSplitDataConfig
