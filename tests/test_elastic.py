@@ -80,6 +80,7 @@ def test_an_elastic_run_grows_when_a_node_joins_shrinks_when_one_is_lost_and_tra
 
             wait_for(r"\[rapidfire\] step 1/")  # training on one worker
             head.add_node(num_cpus=2, resources={"trainer": 1, "second": 1})
+            joined_at = time.time()
             second = _node_id(head, "second")
             # two workers train once rank 1 has saved its part of a checkpoint
             deadline = time.time() + 600
@@ -89,6 +90,7 @@ def test_an_elastic_run_grows_when_a_node_joins_shrinks_when_one_is_lost_and_tra
                 time.sleep(0.5)
             assert _ranks_seen(tmp_path) >= 2, log_path.read_text()[-3000:]
             time.sleep(3)  # a step or two on two workers, past a checkpoint
+            killed_at = time.time()
             for pid in cluster_pids([f"--node_id={second}", f"--node-id={second}"]):
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -108,7 +110,13 @@ def test_an_elastic_run_grows_when_a_node_joins_shrinks_when_one_is_lost_and_tra
     assert first["gradient_accumulation_steps"] == 2 and first["global_batch_rows"] == 16, first
     grown = next(g for g in el["worker_groups"] if g["world_size"] == 2)
     assert grown["gradient_accumulation_steps"] == 1 and grown["global_batch_rows"] == 16, grown
-    print(f"\nelastic: {summary['recovery']}; {el}")
+    steps = [json.loads(line) for line in (tmp_path / "tiny" / "steps.jsonl").read_text().splitlines()]
+    grown_at = min(r["time"] for r in steps if r["world"] == 2)
+    last_attempt = max(r["attempt"] for r in steps)
+    shrunk_at = min(r["time"] for r in steps if r["attempt"] == last_attempt)
+    assert grown_at > joined_at and shrunk_at > killed_at
+    print(f"\nelastic: node joined -> first step on 2 workers {grown_at - joined_at:.1f} s; node killed -> first "
+          f"step on 1 worker {shrunk_at - killed_at:.1f} s; {summary['recovery']}; {el}")
 
 
 def _ranks_seen(tmp_path) -> int:
