@@ -125,3 +125,30 @@ def test_a_stream_resumed_at_other_worker_counts_trains_every_row_once_per_epoch
     assert per_epoch == {0: n, 1: n}, per_epoch
     for epoch in range(epochs):
         assert Counter(src for e, src in seen if e == epoch) == Counter(r["source"] for r in rows(n))
+
+
+def test_scale_lr_sets_this_worker_counts_rate_again_after_a_resume_restored_another():
+    """A resume loads the optimizer and scheduler saved by a group of another size: their learning
+    rate is that group's. ScaledLR puts this group's back, at the schedule's current point."""
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    def make(lr):
+        p = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.AdamW([p], lr=lr)
+        return opt, get_linear_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=10)
+
+    opt, sched = make(1e-3)  # saved by 2 of 2 workers: lr 1e-3
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    saved = opt.state_dict(), sched.state_dict()
+    opt, sched = make(5e-4)  # resumed on 1 of 2 workers: 5e-4
+    opt.load_state_dict(saved[0])
+    sched.load_state_dict(saved[1])
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 6 / 10)  # the saved group's rate came back
+    elastic.ScaledLR(5e-4).on_train_begin(None, None, None, optimizer=opt, lr_scheduler=sched)
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4 * 6 / 10)
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4 * 5 / 10)
