@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 from .config import is_elastic, worker_range
 from .data.elastic import ElasticLoader, RowSubset, optimizer_steps, read_position, remainder_shares
 from .data.loader import ShardLoader
+from .errors import RapidfireError
 from .data.sharding import FULL  # noqa: F401 - the whole training dataset, for the rest of an epoch
 
 
@@ -86,6 +87,10 @@ def build_loader(cfg: dict, full: ShardLoader, whole, ckpt_dir: str | None, *, r
     position = read_position(ckpt_dir) if ckpt_dir is not None else None
     info = {"world_size": world, "epoch": 0, "consumed_rows": 0, "remainder_rows": 0, "untrainable_rows": 0}
     if position is None:
+        if ckpt_dir is not None:
+            raise RapidfireError(f"scaling.num_workers: checkpoint {os.path.basename(ckpt_dir.rstrip('/'))} has no "
+                                 "data position (it was saved by a run with a fixed worker count); resume it with "
+                                 "that fixed scaling.num_workers, or start the elastic run under another run.name")
         return ElasticLoader(full, epochs=epochs), info
     epoch, consumed = position
     shares = remainder_shares(num_rows, consumed, world)

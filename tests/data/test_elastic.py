@@ -10,8 +10,8 @@ import pytest
 from rapidfire_ray import elastic
 from rapidfire_ray.data.elastic import (optimizer_steps, read_position, remainder_shares,
                                         write_position)
-from rapidfire_ray.data.loader import ShardLoader
-from rapidfire_ray.data.sharding import FULL, TRAIN, ExactSplitDataConfig
+from rapidfire_ray.data.loader import DynamicBatches, ShardLoader
+from rapidfire_ray.data.sharding import FULL, TRAIN, ExactSplitDataConfig, ShardPlan
 
 
 def rows(n: int) -> list[dict]:
@@ -65,17 +65,19 @@ def test_adapt_changes_only_the_chosen_knob_and_only_for_elastic_runs():
     assert elastic.adapt(cfg, 1) is cfg
 
 
-def _streams(ray, ds, world, *, batch, epochs, ckpt=None, seed=0):
+def _streams(ray, ds, world, *, batch, epochs, ckpt=None, seed=0, budget=None):
     """Every rank's elastic stream over `ds` for a worker group of `world` workers."""
     parts = ExactSplitDataConfig().configure({TRAIN: ds, FULL: ds}, world, None, None)
     cfg = {"train": {"epochs": epochs, "max_steps": -1}}
     n = ds.count()
     out = []
     for rank in range(world):
+        plan = ShardPlan.contiguous(n, world)
         full = ShardLoader(parts[rank][TRAIN], num_rows=n, rank=rank, world_size=world, batch_size=batch, pad_id=0,
-                           prefetch_depth=1, seed=seed, with_sources=True)
+                           prefetch_depth=1, seed=seed, with_sources=True, budget=budget,
+                           rank_rows=[plan.rows(r) for r in range(world)])
         stream, info = elastic.build_loader(cfg, full, parts[rank][FULL], ckpt, rank=rank, world=world, num_rows=n,
-                                            pad_id=0, budget=None)
+                                            pad_id=0, budget=budget)
         out.append(stream)
     return out
 
@@ -103,14 +105,23 @@ def _pull(streams, steps=None):
 @pytest.mark.parametrize("phases", [[(2, 3), (3, None)], [(3, 2), (1, None)], [(1, 9), (2, None)],
                                     [(2, 4), (2, None)], [(2, 8), (3, None)], [(2, 3), (3, 1), (1, None)],
                                     [(1, 5), (3, 2), (2, 3), (1, None)]])
-def test_a_stream_resumed_at_other_worker_counts_trains_every_row_once_per_epoch(ray_cluster, tmp_path, phases):
+@pytest.mark.parametrize("strategy", ["fixed", "token_budget"])
+def test_a_stream_resumed_at_other_worker_counts_trains_every_row_once_per_epoch(ray_cluster, tmp_path, phases,
+                                                                                 strategy):
     """Worker groups of (workers, steps until their last checkpoint): each trains one more step
-    after it (lost with the group), the next resumes from the checkpoint's position files."""
+    after it (lost with the group), the next resumes from the checkpoint's position files. With
+    fixed batches and with token_budget batches (planned again over each group's rows)."""
     n, batch, epochs = 23, 2, 2
     ds = ray_cluster.data.from_items(rows(n)).materialize()
+    budget = None
+    if strategy == "token_budget":
+        lengths = [len(r["input_ids"]) for r in rows(n)]
+        budget = DynamicBatches.token_budget({"data": {"dynamic_batch": {"max_tokens": 16, "max": None, "window": 8,
+                                                                         "max_padding": 1.0}, "max_length": 8},
+                                              "train": {"per_device_batch_size": batch}}, lengths)
     seen, ckpt = [], None
     for i, (world, steps) in enumerate(phases):
-        streams = _streams(ray_cluster, ds, world, batch=batch, epochs=epochs, ckpt=ckpt)
+        streams = _streams(ray_cluster, ds, world, batch=batch, epochs=epochs, ckpt=ckpt, budget=budget)
         seen += _pull(streams, steps)
         if steps is None:
             assert all(s.finished for s in streams)
@@ -125,6 +136,13 @@ def test_a_stream_resumed_at_other_worker_counts_trains_every_row_once_per_epoch
     assert per_epoch == {0: n, 1: n}, per_epoch
     for epoch in range(epochs):
         assert Counter(src for e, src in seen if e == epoch) == Counter(r["source"] for r in rows(n))
+
+
+def test_a_checkpoint_without_a_data_position_is_refused_with_the_fix(ray_cluster, tmp_path):
+    ds = ray_cluster.data.from_items(rows(6)).materialize()
+    (tmp_path / "checkpoint-00000004").mkdir()
+    with pytest.raises(Exception, match="no data position .* fixed scaling.num_workers"):
+        _streams(ray_cluster, ds, 2, batch=2, epochs=1, ckpt=str(tmp_path / "checkpoint-00000004"))
 
 
 def test_scale_lr_sets_this_worker_counts_rate_again_after_a_resume_restored_another():
