@@ -141,11 +141,12 @@ def dynamic_batch_lengths(cfg: DictConfig, ds):
     lengths = row_lengths(ds)
     if strategy == "token_budget":
         batches = DynamicBatches.token_budget(cfg, lengths)
-        try:
-            steps = [len(batches.plan(n)[0]) for n in sorted(set(worker_range(cfg)))][0]
+        try:  # every worker count an elastic run may have must have a plan
+            steps = {n: len(batches.plan(n)[0]) for n in sorted(set(worker_range(cfg)))}
         except ValueError as e:
             raise RapidfireError(f"data.dynamic_batch: {e}") from None
-        say(f"token_budget: {batches.description}, {steps} batches per worker per epoch")
+        per = ", ".join(f"{s} with {n} worker(s)" for n, s in steps.items())
+        say(f"token_budget: {batches.description}, batches per worker per epoch: {per}")
     return lengths
 
 
