@@ -23,7 +23,9 @@ What runs (all on this one host; root needed):
     unshaped (the compute time per step: step minus the exchange), then on the shaped links:
     allreduce + adamw; allreduce_compressed with 1bit under the default per-layer policy and
     pure 1bit (keep_fp16=[] min_numel=0); rapidfire_adamw with 1bit and freeze_step = 20% of
-    the steps.
+    the steps; `parameter_server` (--modes parameter_server, issue 5): one shard per node,
+    rapidfire_adamw with 1bit pushes and pulls after the same warm-up, max_staleness 1 (the
+    scaling model has no parameter-server mode: these runs are left out of its check).
   - The rate: chosen from the 2-node calibration so that the fp32 exchange (2(n-1)/n * 4P bytes
     per rank per step) takes --comm-share of the step, then kept for 3 nodes.
   - The burst: netns.py sizes the tbf bucket at max(64 KiB, 1 ms of the rate). At a rate of
@@ -93,7 +95,12 @@ VARIANTS = {
                               "optimizer.params.compression.min_numel": 0}),
     "rapidfire_adamw": ("rapidfire_adamw", "1bit",
                         {"optimizer.type": "rapidfire_adamw", "optimizer.params.compression.grad": "1bit"}),
+    # one shard per node (the default); pushes and pulls are Ray object transfers across the links
+    "parameter_server": ("parameter_server", "1bit",
+                         {"communication.mode": "parameter_server", "optimizer.type": "rapidfire_adamw",
+                          "optimizer.params.compression.grad": "1bit", "communication.ps.max_staleness": 1}),
 }
+FROZEN = ("rapidfire_adamw", "parameter_server")  # variants with a full-precision warm-up (freeze_step)
 
 T0 = time.monotonic()
 
@@ -524,7 +531,7 @@ def run_node_count(args, nodes: int, steps: int, variants: list[str], params: in
         freeze = max(1, steps // 5)
         for v in variants:
             overrides = dict(VARIANTS[v][2])
-            if v == "rapidfire_adamw":
+            if v in FROZEN:
                 overrides["optimizer.params.freeze_step"] = freeze
             say(f"{nodes} nodes: {v} ({steps} steps, {bits / 1e6:.3f} Mbit/s)")
             run = train(h, address, work, f"{v}-n{nodes}", nodes, steps, overrides, timeout, quiet)
@@ -532,10 +539,10 @@ def run_node_count(args, nodes: int, steps: int, variants: list[str], params: in
             if run["returncode"] != 0:
                 say(f"  FAILED ({run['returncode']}); log tail:\n{run['log_tail'][-1500:]}")
                 continue
-            m = measure(run, args.warmup, freeze if v == "rapidfire_adamw" else None)
+            m = measure(run, args.warmup, freeze if v in FROZEN else None)
             m["command"] = run["command"]
             m["train_workers_per_namespace"] = run["train_workers_per_namespace"]
-            if v == "rapidfire_adamw":
+            if v in FROZEN:
                 m["freeze_step"] = freeze
             out["runs"][v] = m
             mm = m["measured"]
@@ -621,6 +628,8 @@ def model_rows(node_results: list[dict], params: int, codec_gbps: float) -> list
     for nr in node_results:
         for v, m in nr["runs"].items():
             mode, codec, _ = VARIANTS[v]
+            if mode not in ("allreduce", "allreduce_compressed", "rapidfire_adamw"):
+                continue  # the scaling model has no parameter-server mode
             warmup = 0.0
             if v == "rapidfire_adamw":
                 # the measured mean covers steps warmup+1..steps; freeze_step of them are fp32

@@ -13,9 +13,12 @@ Parts (`--parts`, default all):
   system's throughput with a straggler in it) and end to end (all samples / training wall
   time). Every worker trains its own shard of the data for the same number of steps in both
   modes, so end to end the run still waits for the straggler's last step.
-- convergence: 2 workers, no straggler, the same samples: final loss (and the mean loss of the
-  last quarter of the steps) of `parameter_server`
-  (codec none and --codec) against `allreduce`; bytes per step each way.
+- convergence: 2 workers, no straggler, the same samples: the loss of the final model on
+  held-out rows (the last --heldout rows of the sample data, never trained on; the same rows
+  for every run), and the final and last-quarter training loss, of `parameter_server` (AdamW
+  with codec none and --codec, and `rapidfire_adamw` with --codec) against `allreduce`; bytes
+  per step each way. The training loss of a parameter-server run is rank 0's own batch (there
+  is no gather), allreduce's the mean over both workers: the held-out loss is the comparison.
 - shards: 4 workers, `parameter_server` with 1, 2 and 4 shards: updates/s per shard and in all,
   push/pull latency, the workers' admission wait: whether the server is the bottleneck.
 
@@ -81,10 +84,48 @@ def env(**values):
                 os.environ[k] = v
 
 
+def split_data(out: str, heldout: int) -> tuple[str, list[dict]]:
+    """The sample data without its last `heldout` rows (written to `out`), and those rows."""
+    with open(DATA, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not 0 <= heldout < len(rows):
+        raise SystemExit(f"--heldout: {heldout} rows; the sample data has {len(rows)}")
+    train = rows[: len(rows) - heldout]
+    path = os.path.join(out, "train.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in train)
+    return path, rows[len(rows) - heldout:]
+
+
+def heldout_loss(model_dir: str, rows: list[dict], max_length: int) -> float:
+    """Mean cross-entropy per trained token (the completion and its end token, as SFT trains
+    them) of the model in `model_dir` over `rows`."""
+    import torch
+
+    from rapidfire_ray.data.tokenize import SFTTokenizer
+    from rapidfire_ray.models import load_model
+
+    n = len(rows)
+    batch = {"source": [str(i) for i in range(n)], "messages": [""] * n, "text": [""] * n,
+             "prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
+    tokens = SFTTokenizer(model_dir, "prompt_completion", max_length)(batch)
+    model = load_model(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, mask in zip(tokens["input_ids"], tokens["loss_mask"]):
+            ids = torch.as_tensor(ids, dtype=torch.long)[None]
+            target = torch.as_tensor(mask[1:], dtype=torch.bool)
+            logits = model(ids).logits[0, :-1]
+            losses = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+            total += float(losses[target].sum())
+            count += int(target.sum())
+    return total / count
+
+
 def run(args, model_dir: str, out: str, name: str, workers: int, slow: str | None = None, **overrides) -> dict:
     import rapidfire_ray
 
-    base = {"run.name": name, "run.output_dir": out, "model.name": model_dir, "data.path": DATA,
+    base = {"run.name": name, "run.output_dir": out, "model.name": model_dir, "data.path": args.train_data,
             "data.max_length": args.max_length, "train.max_steps": args.steps,
             "train.per_device_batch_size": args.batch, "optimizer.params.lr": args.lr,
             "checkpoint.every_steps": 0, "scaling.num_workers": workers, "scaling.cpus_per_worker": 1}
@@ -102,8 +143,12 @@ def run(args, model_dir: str, out: str, name: str, workers: int, slow: str | Non
               "samples_per_s_end_to_end": round(s["samples"] / s["train_time_s"], 3),
               "while_all_train": while_all_train(records),
               "communication": s["communication"], "parameter_server": s.get("parameter_server")}
+    if args.heldout_rows:
+        result["heldout_loss"] = round(heldout_loss(os.path.join(out, name, "model"), args.heldout_rows,
+                                                    args.max_length), 4)
     ps = s.get("parameter_server")
-    say(f"  loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}; samples/s end to end "
+    say(f"  loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"
+        + (f", held-out {result['heldout_loss']:.4f}" if "heldout_loss" in result else "") + "; samples/s end to end "
         f"{result['samples_per_s_end_to_end']}, while all train {result['while_all_train']['samples_per_s']}"
         + (f"; staleness {ps['staleness_hist']}, updates/s per shard {ps['updates_per_s_per_shard']}" if ps else ""))
     return result
@@ -158,21 +203,29 @@ def tail_loss(r: dict) -> float:
 def convergence(args, model_dir: str, out: str) -> dict:
     sync = run(args, model_dir, out, "conv-allreduce", 2)
     res = {"allreduce": {**sync, "tail_loss": round(tail_loss(sync), 4)}}
-    for codec in dict.fromkeys(["none", args.codec]):
-        r = run(args, model_dir, out, f"conv-ps-{codec}", 2, **{
+    variants = [("adamw", c) for c in dict.fromkeys(["none", args.codec])]
+    if args.codec != "none":
+        variants.append(("rapidfire_adamw", args.codec))
+    for optimizer, codec in variants:
+        key = f"parameter_server_{codec}" + ("_rapidfire_adamw" if optimizer == "rapidfire_adamw" else "")
+        r = run(args, model_dir, out, key.replace("parameter_server", "conv-ps").replace("_", "-"), 2, **{
             "communication.mode": "parameter_server", "communication.ps.num_shards": 2,
-            "communication.ps.max_staleness": 1, "optimizer.params.compression.grad": codec})
+            "communication.ps.max_staleness": 1, "optimizer.type": optimizer,
+            "optimizer.params.compression.grad": codec})
         gap = r["final_loss"] / sync["final_loss"] - 1
         tail_gap = tail_loss(r) / tail_loss(sync) - 1
+        heldout_gap = r["heldout_loss"] / sync["heldout_loss"] - 1
         ps = r["parameter_server"]
         fp32 = sync["communication"]["bytes_sent_per_step"]
-        res[f"parameter_server_{codec}"] = {**r, "ps_numbers": ps_numbers(r), "final_loss_gap": round(gap, 4),
-                                            "tail_loss": round(tail_loss(r), 4), "tail_loss_gap": round(tail_gap, 4),
-                                            "bytes_pushed_vs_allreduce": round(ps["bytes_pushed_per_step"] / fp32, 4),
-                                            "bytes_pulled_vs_allreduce": round(ps["bytes_pulled_per_step"] / fp32, 4)}
-        say(f"convergence ({codec}): final loss {r['final_loss']:.4f} vs allreduce {sync['final_loss']:.4f} "
-            f"({gap:+.2%}; target within 3%), mean of the last quarter {tail_loss(r):.4f} vs {tail_loss(sync):.4f} "
-            f"({tail_gap:+.2%}); bytes per step per worker pushed {ps['bytes_pushed_per_step']:,} "
+        res[key] = {**r, "ps_numbers": ps_numbers(r), "final_loss_gap": round(gap, 4),
+                    "tail_loss": round(tail_loss(r), 4), "tail_loss_gap": round(tail_gap, 4),
+                    "heldout_loss_gap": round(heldout_gap, 4),
+                    "bytes_pushed_vs_allreduce": round(ps["bytes_pushed_per_step"] / fp32, 4),
+                    "bytes_pulled_vs_allreduce": round(ps["bytes_pulled_per_step"] / fp32, 4)}
+        say(f"convergence ({optimizer}, {codec}): held-out loss {r['heldout_loss']:.4f} vs allreduce "
+            f"{sync['heldout_loss']:.4f} ({heldout_gap:+.2%}; target within 3%); training loss: final "
+            f"{r['final_loss']:.4f} vs {sync['final_loss']:.4f} ({gap:+.2%}), last quarter {tail_loss(r):.4f} vs "
+            f"{tail_loss(sync):.4f} ({tail_gap:+.2%}); bytes per step per worker pushed {ps['bytes_pushed_per_step']:,} "
             f"pulled {ps['bytes_pulled_per_step']:,}, allreduce sent {fp32:,}")
     return res
 
@@ -206,6 +259,8 @@ def main() -> None:
     p.add_argument("--codec", default="1bit", choices=["none", "fp16", "1bit", "2bit"])
     p.add_argument("--staleness", type=int, default=16, help="communication.ps.max_staleness of the 4-worker runs")
     p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument("--heldout", type=int, default=120,
+                   help="last rows of the sample data kept out of training for the held-out loss (0: none)")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "parameter_server.json"))
     args = p.parse_args()
     import ray
@@ -214,9 +269,10 @@ def main() -> None:
     result = {"benchmark": "parameter_server", "date": time.strftime("%Y-%m-%d"),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
                           "note": "one embedded Ray cluster offering 8 logical CPUs on these cores; workers share them"},
-              "settings": vars(args)}
+              "settings": dict(vars(args))}
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            args.train_data, args.heldout_rows = split_data(tmp, args.heldout)
             model_dir = os.path.join(tmp, "model")
             result["settings"]["parameters"] = make_model(model_dir, args.hidden, args.layers)
             say(f"model: {result['settings']['parameters']:,} parameters")

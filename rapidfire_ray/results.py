@@ -113,7 +113,8 @@ def parameter_server_summary(shards: list[dict], clients: list[dict | None], ste
     worker's steps, as the worker measured them: encode, send, apply on the shards, reply;
     admission waits are in the pull), bytes each way per step per worker (the delta pulls, not
     the full pulls at start and checkpoints), admission waits, the shards' counts (pushes,
-    applied, duplicates, updates lost to shard restarts), updates per second per shard, the most
+    applied (and by kind: "grad" AdamW steps, "update" rapidfire_adamw updates), duplicates,
+    updates lost to shard restarts), updates per second per shard, the most
     workers queued for admission at once, and the staleness histogram over every applied update."""
     from .comm.stats import _percentile
 
@@ -134,6 +135,7 @@ def parameter_server_summary(shards: list[dict], clients: list[dict | None], ste
         "admission_wait_s": round(sum(r["ps_wait_s"] for r in counted), 6),
         "pushes": sum(st["pushes"] for st in shards),
         "applied": sum(st["applied"] for st in shards),
+        "applied_by_kind": dict(sum((Counter(st.get("applied_by_kind", {})) for st in shards), Counter())),
         "duplicates": sum(st["duplicates"] for st in shards),
         "lost_updates": sum(st["lost_updates"] for st in shards),
         "restarts": sum(st["restarts"] for st in shards),

@@ -72,7 +72,7 @@ class TrainerComm:
         if self.mode == "parameter_server":
             from ..ps.training import ParameterServerComm
 
-            self.ps = ParameterServerComm(cfg, shards, rank=rank, stats=self.stats)
+            self.ps = ParameterServerComm(cfg, shards, rank=rank, stats=self.stats, total_steps=total_steps)
 
     # --- optimizer --------------------------------------------------------------------------
 

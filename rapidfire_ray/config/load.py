@@ -282,11 +282,9 @@ def _check_communication(cfg: DictConfig) -> None:
     """Which optimizer, codec and communication mode go together."""
     grad, mode, optimizer = cfg.optimizer.params.compression.grad, cfg.communication.mode, cfg.optimizer.type
     if mode == "parameter_server":
-        if optimizer == "rapidfire_adamw":
-            raise RapidfireError("optimizer.type: rapidfire_adamw exchanges compressed momentum by allreduce, and "
-                                 "communication.mode parameter_server has no allreduce (its shards run AdamW on the "
-                                 "pushed gradients); use optimizer.type adamw with optimizer.params.compression.grad "
-                                 "1bit to compress the pushes and pulls")
+        if optimizer == "rapidfire_adamw" and grad == "none":
+            raise RapidfireError("optimizer.params.compression.grad: 'none' leaves rapidfire_adamw nothing to "
+                                 "compress in the pushes; set it to 1bit (or 2bit, fp16), or use optimizer.type adamw")
         if grad == "auto":
             raise RapidfireError("optimizer.params.compression.grad: 'auto' chooses per tensor inside the compressed "
                                  "allreduce; communication.mode parameter_server uses one codec for every tensor: "

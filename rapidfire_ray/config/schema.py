@@ -156,6 +156,9 @@ class ParameterServerSection:
                                    "it applies, and restores it after a crash (0: never)")
     lr_staleness_scaling: str = opt("none", "parameter_server: inverse divides an update's learning rate by "
                                             "1 + its staleness")
+    lr_per_push: str = opt("mean", "parameter_server: mean applies each worker's push with lr / workers (a push is "
+                                   "one worker's share of the global batch: all workers' pushes move the parameters "
+                                   "as far as one synchronous step); full applies each push with the whole lr")
 
 
 @dataclass
@@ -313,6 +316,7 @@ CHOICES = {
     "optimizer.params.compression.act": ("none", "int8", None),
     "communication.mode": ("allreduce", "allreduce_compressed", "parameter_server"),
     "communication.ps.lr_staleness_scaling": ("none", "inverse"),
+    "communication.ps.lr_per_push": ("mean", "full"),
     "communication.on_nonfinite": ("skip", "fail"),
     "scaling.placement": ("PACK", "SPREAD"),
     "memory.optim_level": ("level0", "level1", "level2", "level3"),

@@ -45,7 +45,8 @@ STATE_FORMAT = "rapidfire_ray.ps.client/1"
 class PSClient:
     def __init__(self, named_parameters, shards, *, codec: str = "none", codec_opts: Mapping | None = None,
                  max_staleness: int | None = None, worker_id: str | None = None,
-                 poll_s: tuple[float, float] = (0.0005, 0.02), stats: CommStats | None = None):
+                 poll_s: tuple[float, float] = (0.0005, 0.02), stats: CommStats | None = None,
+                 freeze_step: int | None = None, max_update: float | None = 1.0):
         import ray
 
         self._ray = ray
@@ -57,6 +58,21 @@ class PSClient:
         self.poll_s = poll_s
         self.stats = stats if stats is not None else CommStats()
         self.feedback = ErrorFeedback()
+        if freeze_step is not None and (isinstance(freeze_step, bool) or not isinstance(freeze_step, int)
+                                        or freeze_step < 1):
+            raise ValueError(f"PSClient: freeze_step must be an int >= 1 or None, got {freeze_step!r}")
+        if max_update is not None and not max_update > 0:
+            raise ValueError(f"PSClient: max_update must be > 0 or None, got {max_update!r}")
+        self.freeze_step = freeze_step   # None: plain pushes of gradients (the shards' AdamW)
+        self.max_update = max_update
+        self.full_codec = get_codec("none")
+        # rapidfire_adamw's compressed stage (see `_updates`): per parameter name
+        self.momentum: dict[str, torch.Tensor] = {}
+        self.denom: dict[str, torch.Tensor] = {}
+        self.zero_variance: dict[str, torch.Tensor] = {}
+        self.base_step: list[int] = []       # per shard: its AdamW step count when the variance froze
+        self.beta1 = 0.9
+        self.compressed_steps = 0
 
         described = ray.get([s.describe.remote() for s in self.shards])
         self.partition = [d["names"] for d in described]
@@ -111,24 +127,39 @@ class PSClient:
                 raise NonFiniteGradient(name, self.codec.name)
         ray = self._ray
         start = time.perf_counter()
+        received = 0
+        if self.in_compressed_stage:
+            kind = "update"
+            if not self.denom:
+                received = self._fetch_preconditioner()
+            tensors = self._updates(grads)
+        else:
+            kind = "grad"
+            tensors = grads
+        # Warm-up of rapidfire_adamw: exact gradients (the shards run AdamW on them, building the
+        # variance the compressed stage freezes). Otherwise the codec, with error feedback.
+        codec = self.full_codec if self.freeze_step is not None and kind == "grad" else self.codec
         refs = []
         sent = 0
         fp32 = 0
         for i, names in enumerate(self.partition):
             encoded = {}
             for name in names:
-                g = grads.get(name)
+                g = tensors.get(name)
                 if g is None:
                     continue
-                enc = self.feedback.compress(name, g, self.codec)
+                enc = self.feedback.compress(name, g, codec)
                 encoded[name] = enc
                 sent += enc.nbytes
                 fp32 += 4 * enc.numel
-            refs.append(self.shards[i].push.remote(self.worker_id, self.seq[i] + 1, self.versions[i], encoded, lr))
+            refs.append(self.shards[i].push.remote(self.worker_id, self.seq[i] + 1, self.versions[i], encoded, lr,
+                                                   kind))
         replies = ray.get(refs)
+        if kind == "update":
+            self.compressed_steps += 1
         push_s = time.perf_counter() - start
         self.push_latencies.append(push_s)
-        self.stats.add_bytes(sent, 0, fp32)
+        self.stats.add_bytes(sent, received, fp32)
         staleness = 0
         for i, reply in enumerate(replies):
             self.seq[i] += 1
@@ -146,7 +177,56 @@ class PSClient:
         self.stats.add_call(time.perf_counter() - start)
         self.steps += 1
         return {"staleness": staleness, "wait_s": pulled["wait_s"], "bytes_sent": sent,
-                "bytes_received": pulled["nbytes"], "versions": list(self.versions), "push_s": push_s}
+                "bytes_received": pulled["nbytes"] + received, "versions": list(self.versions), "push_s": push_s,
+                "kind": kind}
+
+    # --- rapidfire_adamw: 1-bit Adam on the parameter server ------------------------------
+
+    @property
+    def in_compressed_stage(self) -> bool:
+        """rapidfire_adamw's compressed stage: this worker has pushed `freeze_step` warm-up
+        gradients (False for the plain AdamW mode)."""
+        return self.freeze_step is not None and self.steps >= self.freeze_step
+
+    def _fetch_preconditioner(self) -> int:
+        """Take every shard's frozen preconditioner and momentum (once, at the freeze; again after
+        a restart without saved state). Returns the bytes received."""
+        replies = self._ray.get([s.preconditioner.remote() for s in self.shards])
+        nbytes = 0
+        self.base_step = []
+        for reply in replies:
+            self.beta1 = float(reply["betas"][0])
+            self.base_step.append(int(reply["step"]))
+            for name, m in reply["exp_avg"].items():
+                self.momentum[name] = m.to(torch.float32)
+                self.denom[name] = reply["denom"][name].to(torch.float32)
+                self.zero_variance[name] = reply["zero_variance"][name]
+                nbytes += 9 * m.numel()  # momentum and denom in float32, the mask in bytes
+        return nbytes
+
+    @torch.no_grad()
+    def _updates(self, grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """This worker's AdamW update for each parameter with a gradient: its momentum (started
+        from the shards' at the freeze) m = lerp(m, g, 1 - beta1), then m_hat / denom with the
+        frozen denom = sqrt(v_hat) + eps, zero where v == 0 (nothing in the warm-up: 1-bit codes
+        cannot send a zero), clamped to +-max_update (as RapidfireAdamW's compressed stage).
+        Compressing the preconditioned update rather than m puts the codec's error where the
+        update is: elements of m with a tiny variance would otherwise turn the chunk-wide scale
+        into huge steps."""
+        out = {}
+        shard_of = {name: i for i, names in enumerate(self.partition) for name in names}
+        for name, g in grads.items():
+            if g is None:
+                continue
+            m = self.momentum[name]
+            m.lerp_(g.detach().to(m.device, torch.float32).reshape(m.shape), 1 - self.beta1)
+            m.masked_fill_(self.zero_variance[name], 0.0)
+            t = self.base_step[shard_of[name]] + self.compressed_steps + 1
+            u = (m / (1 - self.beta1**t)).div_(self.denom[name])
+            if self.max_update is not None:
+                u.clamp_(-self.max_update, self.max_update)
+            out[name] = u
+        return out
 
     def pull(self) -> dict:
         """Pull what changed since the local copy (deltas) and be admitted to the next step: after
@@ -254,8 +334,13 @@ class PSClient:
                 "versions": list(self.versions)}
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "worker_id": self.worker_id, "seq": list(self.seq),
-                "feedback": self.feedback.state_dict()}
+        state = {"format": STATE_FORMAT, "worker_id": self.worker_id, "seq": list(self.seq),
+                 "feedback": self.feedback.state_dict(), "steps": self.steps}
+        if self.denom:
+            state["rapidfire_adamw"] = {"momentum": dict(self.momentum), "denom": dict(self.denom),
+                                        "zero_variance": dict(self.zero_variance), "base_step": list(self.base_step),
+                                        "beta1": self.beta1, "compressed_steps": self.compressed_steps}
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
@@ -264,3 +349,15 @@ class PSClient:
             raise ValueError(f"PSClient: state has {len(state['seq'])} shards, this client {len(self.shards)}")
         self.seq = [max(a, int(b)) for a, b in zip(self.seq, state["seq"])]
         self.feedback.load_state_dict(state["feedback"])
+        self.steps = int(state.get("steps", self.steps))
+        rfa = state.get("rapidfire_adamw")
+        if rfa is not None:
+            if len(rfa["base_step"]) != len(self.shards):
+                raise ValueError(f"PSClient: state has a preconditioner from {len(rfa['base_step'])} shards, "
+                                 f"this client has {len(self.shards)}")
+            self.momentum = {n: t.to(torch.float32) for n, t in rfa["momentum"].items()}
+            self.denom = {n: t.to(torch.float32) for n, t in rfa["denom"].items()}
+            self.zero_variance = dict(rfa["zero_variance"])
+            self.base_step = [int(b) for b in rfa["base_step"]]
+            self.beta1 = float(rfa["beta1"])
+            self.compressed_steps = int(rfa["compressed_steps"])

@@ -3,10 +3,13 @@
 It holds the partition's master copy in float32 and its AdamW state, and a version counter
 (the number of updates its state contains). Workers talk to it with two calls:
 
-- `push(worker_id, seq, base_version, encoded, lr=None)`: one worker's gradients for this
-  partition, each an `Encoded` from the configured codec (worker-side error feedback is the
+- `push(worker_id, seq, base_version, encoded, lr=None, kind="grad")`: one worker's gradients for
+  this partition, each an `Encoded` from the configured codec (worker-side error feedback is the
   worker's). The shard decodes them and applies one optimizer step at once (asynchronous SGD:
-  it never waits for other workers). Staleness = version before this update - base_version
+  it never waits for other workers). With `optimizer.type: rapidfire_adamw` a worker pushes
+  uncompressed gradients for its warm-up, then (`kind="update"`) its own compressed AdamW update
+  m_hat / (sqrt(v_hat) + eps) preconditioned with the variance it took from `preconditioner()`,
+  which the shard applies with the scheduled lr and decoupled weight decay (see client.py). Staleness = version before this update - base_version
   (the version the worker's gradient was computed on) is recorded for every applied update.
   `seq` numbers a worker's pushes to this shard 1, 2, 3...: a retried push (Ray retries tasks
   across an actor restart) is applied at most once, and a gap after a restart counts the
@@ -64,6 +67,7 @@ from ..compression import Encoded, get_codec
 
 SNAPSHOT_FORMAT = "rapidfire_ray.ps.shard/1"
 LR_SCALINGS = ("none", "inverse")
+PUSH_KINDS = ("grad", "update")
 _LATENCY_WINDOW = 10_000
 
 
@@ -129,10 +133,15 @@ class ParameterShard:
     # --- the two calls workers make ------------------------------------------------------
 
     def push(self, worker_id: str, seq: int, base_version: int, encoded: Mapping[str, Encoded],
-             lr: float | None = None) -> dict:
-        """Apply one worker's update now. Returns status ("applied" or "duplicate"), version
-        (after), staleness (of this update; None for a duplicate), lost (this worker's
-        acknowledged pushes found missing after a restart)."""
+             lr: float | None = None, kind: str = "grad") -> dict:
+        """Apply one worker's update now. `kind` "grad": `encoded` are gradients, one AdamW
+        step; "update": preconditioned updates (rapidfire_adamw's compressed stage, computed by
+        the worker), applied as p -= lr * (weight_decay * p + update). Returns status ("applied"
+        or "duplicate"), version (after), staleness (of this update; None for a duplicate), lost
+        (this worker's acknowledged pushes found missing after a restart)."""
+        if kind not in PUSH_KINDS:
+            raise ValueError(f"parameter shard {self.index}: push kind must be one of {', '.join(PUSH_KINDS)}, "
+                             f"got {kind!r}")
         start = time.perf_counter()
         self.pushes += 1
         last = self.last_seq.get(worker_id, 0)
@@ -171,13 +180,17 @@ class ParameterShard:
         step_lr = self.base_lr if lr is None else float(lr)
         if self.lr_staleness_scaling == "inverse":
             step_lr /= 1 + staleness
-        for group in self.optimizer.param_groups:
-            group["lr"] = step_lr
-        self.optimizer.step()
+        if kind == "grad":
+            for group in self.optimizer.param_groups:
+                group["lr"] = step_lr
+            self.optimizer.step()
+        else:
+            self._apply_updates(step_lr)
         for p in self.params.values():
             p.grad = None
         self.version += 1
         self.applied += 1
+        self.applied_by_kind[kind] += 1
         self.last_seq[worker_id] = seq
         self.admitted.pop(worker_id, None)
         self.staleness_hist[staleness] += 1
@@ -192,6 +205,49 @@ class ParameterShard:
         if self._metrics is not None:
             self._metrics.update(self.version, staleness)
         return {"status": "applied", "version": self.version, "staleness": staleness, "lost": lost}
+
+    @torch.no_grad()
+    def _apply_updates(self, lr: float) -> None:
+        """p -= lr * (weight_decay * p + update): the step AdamW would take with that update as
+        its m_hat / (sqrt(v_hat) + eps) (decay first, as AdamW). The update arrived in .grad.
+        The AdamW state is left as it is (its variance is what the workers froze)."""
+        wd = self.optimizer.param_groups[0]["weight_decay"]
+        for p in self.params.values():
+            if p.grad is None:
+                continue
+            if wd:
+                p.mul_(1 - lr * wd)
+            st = self.optimizer.state.get(p)
+            if not st:  # no gradient in any warm-up push: v == 0 everywhere, held still
+                continue
+            # Elements whose variance is 0 are held still (1-bit codes cannot send a zero).
+            p.add_(p.grad.masked_fill_(st["exp_avg_sq"] == 0, 0.0), alpha=-lr)
+
+    def preconditioner(self) -> dict:
+        """What a worker entering rapidfire_adamw's compressed stage needs from this shard's AdamW
+        state: per parameter `exp_avg` (its momentum starts from it) and `denom` = sqrt(v_hat) +
+        eps (the frozen preconditioner), with `step` (updates in that state) and betas. A
+        parameter without state (no gradient yet) gets zeros: its denom is eps and its mask
+        (v == 0) holds it still."""
+        group = self.optimizer.param_groups[0]
+        beta1, beta2 = group["betas"]
+        eps = group["eps"]
+        exp_avg, denom, zero, steps = {}, {}, {}, []
+        for name, p in self.params.items():
+            st = self.optimizer.state.get(p)
+            if not st:
+                exp_avg[name] = torch.zeros_like(p, dtype=torch.float32)
+                denom[name] = torch.full_like(p, eps, dtype=torch.float32)
+                zero[name] = torch.ones_like(p, dtype=torch.bool)
+                continue
+            t = int(st["step"])
+            steps.append(t)
+            v = st["exp_avg_sq"]
+            denom[name] = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
+            exp_avg[name] = st["exp_avg"].detach().clone()
+            zero[name] = v == 0
+        return {"step": max(steps, default=0), "betas": (beta1, beta2), "eps": eps,
+                "exp_avg": exp_avg, "denom": denom, "zero_variance": zero}
 
     def pull(self, worker_id: str, have_version: int | None, admit: bool = True, full: bool = False) -> dict:
         """The parameters since what `worker_id` holds. Returns admitted (False: nothing else,
@@ -349,7 +405,8 @@ class ParameterShard:
         hist = dict(sorted(self.staleness_hist.items()))
         return {
             "shard": self.index, "version": self.version, "pushes": self.pushes, "applied": self.applied,
-            "duplicates": self.duplicates, "pulls": self.pulls, "full_pulls": self.full_pulls,
+            "applied_by_kind": dict(self.applied_by_kind), "duplicates": self.duplicates, "pulls": self.pulls,
+            "full_pulls": self.full_pulls,
             "push_latency_p50_s": _percentile(push, 0.5), "push_latency_p99_s": _percentile(push, 0.99),
             "pull_latency_p50_s": _percentile(pull, 0.5), "pull_latency_p99_s": _percentile(pull, 0.99),
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
@@ -368,6 +425,7 @@ class ParameterShard:
 
     def _reset_stats(self) -> None:
         self.pushes = self.applied = self.duplicates = self.pulls = self.full_pulls = 0
+        self.applied_by_kind: Counter[str] = Counter()
         self.bytes_in = self.bytes_out = 0
         self.bound_violations = self.base_ahead = self.refusals = self.expired_leases = 0
         self.queue_depth_max = 0  # most workers refused and waiting for admission at once
@@ -452,4 +510,4 @@ def launch_shards(named_parameters, num_shards: int, *, snapshot_dir: str | None
     return handles, partition, pinned
 
 
-__all__ = ["LR_SCALINGS", "ParameterShard", "launch_shards", "remote_shard", "snapshot_path"]
+__all__ = ["LR_SCALINGS", "PUSH_KINDS", "ParameterShard", "launch_shards", "remote_shard", "snapshot_path"]

@@ -7,7 +7,13 @@ not the trainer's loss gather, not TRL's token counts. The only exchange is the 
 - `ParameterServerOptimizer.step()` pushes this worker's gradients to the shards and pulls the
   new parameters into the model (`PSClient.push_and_pull`). It keeps `param_groups` with `lr`,
   so the trainer's learning-rate scheduler and warm-up work as with AdamW, and sends the
-  scheduled lr with each push; the shards run AdamW with it. It holds no state of its own.
+  scheduled lr with each push (divided by the number of workers under
+  `communication.ps.lr_per_push: mean`, the default: every worker pushes once per global step,
+  so together they move the parameters as far as one synchronous step; `full` applies each
+  push with the whole lr); the shards run AdamW with it. It holds no state of its own.
+  With `optimizer.type: rapidfire_adamw` the client pushes exact gradients for
+  `optimizer.params.freeze_step` steps (null: 20% of the run), then its own compressed AdamW
+  update on the frozen variance (1-bit Adam on the parameter server; see client.py).
 - `ParameterServerComm` is what `comm.training.TrainerComm` delegates to in this mode: it
   builds the client and the optimizer, syncs before the first step (every gradient is computed
   on the shards' parameters), reports per-step push/pull numbers, and handles checkpoints.
@@ -40,9 +46,14 @@ def shard_state_files(checkpoint_dir: str, num_shards: int) -> list[str]:
 
 
 def codec_options(cfg: dict) -> dict:
-    """The configured gradient codec's options (the chunk size of 1bit/2bit)."""
+    """The configured codec's options for pushes and pulls: the chunk size of 1bit/2bit, and the
+    RMS scale for 1bit (what is pushed and pulled carries a persistent bias, a gradient's mean
+    or a run of updates in one direction, under which a mean-|x| scale lets the error-feedback
+    residual grow for hundreds of steps; see compression/onebit.py)."""
     c = cfg["optimizer"]["params"]["compression"]
-    return {"chunk_size": c["chunk_size"]} if c["grad"] in ("1bit", "2bit") else {}
+    if c["grad"] == "1bit":
+        return {"chunk_size": c["chunk_size"], "scale": "rms"}
+    return {"chunk_size": c["chunk_size"]} if c["grad"] == "2bit" else {}
 
 
 class ParameterServerOptimizer(torch.optim.Optimizer):
@@ -50,9 +61,10 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     and `param_names` (the names the shards know). A NaN/inf gradient is not sent: the step is
     skipped and counted (`skipped_steps`, `nonfinite`)."""
 
-    def __init__(self, named_groups: list[dict], client: PSClient, *, lr: float):
+    def __init__(self, named_groups: list[dict], client: PSClient, *, lr: float, lr_divisor: int = 1):
         super().__init__(named_groups, {"lr": lr})
         self.client = client
+        self.lr_divisor = lr_divisor  # communication.ps.lr_per_push mean: the number of workers
         self.last: dict | None = None  # the latest step's push_and_pull report
         self.skipped_steps = 0
         self.nonfinite: list[str] = []
@@ -69,7 +81,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                 if p.grad is not None:  # Ray moves CPU tensors; a GPU gradient goes via the host
                     grads[name] = p.grad if p.grad.device.type == "cpu" else p.grad.to("cpu", torch.float32)
         try:
-            self.last = self.client.push_and_pull(grads, lr=self.param_groups[0]["lr"])
+            self.last = self.client.push_and_pull(grads, lr=self.param_groups[0]["lr"] / self.lr_divisor)
         except NonFiniteGradient as e:
             self.skipped_steps += 1
             self.nonfinite = [e.name]
@@ -77,14 +89,21 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
 
 class ParameterServerComm:
-    def __init__(self, cfg: dict, shards: list, *, rank: int, stats):
+    def __init__(self, cfg: dict, shards: list, *, rank: int, stats, total_steps: int):
         c = cfg["optimizer"]["params"]["compression"]
+        # optimizer.type rapidfire_adamw: uncompressed warm-up pushes, then compressed updates
+        self.freeze_step = None
+        if cfg["optimizer"]["type"] == "rapidfire_adamw":
+            from ..optim import default_freeze_step
+
+            self.freeze_step = cfg["optimizer"]["params"]["freeze_step"] or default_freeze_step(total_steps)
         self.shards = shards
         self.rank = rank
         self.stats = stats  # comm.stats.CommStats: bytes and call latency, as in the other modes
         self.codec = c["grad"]
         self.codec_opts = codec_options(cfg)
         self.max_staleness = cfg["communication"]["ps"]["max_staleness"]
+        self.lr_divisor = int(cfg["scaling"]["num_workers"]) if cfg["communication"]["ps"]["lr_per_push"] == "mean" else 1
         self.client: PSClient | None = None
         self.optimizer: ParameterServerOptimizer | None = None
         self._pending_state: dict | None = None
@@ -95,11 +114,12 @@ class ParameterServerComm:
         # A stable id per rank: a restarted worker is the same worker to the shards (its push
         # counts continue; see PSClient.sync).
         self.client = PSClient(named, self.shards, codec=self.codec, codec_opts=self.codec_opts,
-                               max_staleness=self.max_staleness, worker_id=f"rank{self.rank}", stats=self.stats)
+                               max_staleness=self.max_staleness, worker_id=f"rank{self.rank}", stats=self.stats,
+                               freeze_step=self.freeze_step)
         if self._pending_state is not None:
             self.client.load_state_dict(self._pending_state)
             self._pending_state = None
-        self.optimizer = ParameterServerOptimizer(named_groups, self.client, lr=lr)
+        self.optimizer = ParameterServerOptimizer(named_groups, self.client, lr=lr, lr_divisor=self.lr_divisor)
         return self.optimizer
 
     def begin(self) -> None:
@@ -112,10 +132,11 @@ class ParameterServerComm:
         last, self.optimizer.last = self.optimizer.last, None
         if last is None:
             return {"ps_push_s": None, "ps_pull_s": None, "ps_wait_s": None, "ps_bytes_pushed": 0,
-                    "ps_bytes_pulled": 0, "ps_staleness": None}
+                    "ps_bytes_pulled": 0, "ps_staleness": None, "ps_push_kind": None}
         return {"ps_push_s": last["push_s"], "ps_pull_s": self.client.pull_latencies[-1],
                 "ps_wait_s": last["wait_s"], "ps_bytes_pushed": last["bytes_sent"],
-                "ps_bytes_pulled": last["bytes_received"], "ps_staleness": last["staleness"]}
+                "ps_bytes_pulled": last["bytes_received"], "ps_staleness": last["staleness"],
+                "ps_push_kind": last["kind"]}
 
     def before_save(self) -> None:
         """Rank 0, before the trainer writes a checkpoint: the model becomes the shards' state."""

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from rapidfire_ray.optim import RapidfireAdamW
 from rapidfire_ray.ps import PSClient, launch_shards
 
 pytestmark = pytest.mark.timeout(180)
@@ -32,13 +33,13 @@ def _loss(model, data):
         return torch.nn.functional.mse_loss(model(data[0]), data[1]).item()
 
 
-def _train(shards, codec, max_staleness, *, delays=(0.0, 0.0), on_step=None):
+def _train(shards, codec, max_staleness, *, delays=(0.0, 0.0), on_step=None, **client_options):
     """Two worker threads, STEPS steps each; returns their clients and models."""
     clients, models, errors = [], [], []
     for w in range(2):
         m = _model(seed=100 + w)  # deliberately not the server's init: sync() must overwrite it
         clients.append(PSClient(m.named_parameters(), shards, codec=codec, max_staleness=max_staleness,
-                                worker_id=f"w{w}"))
+                                worker_id=f"w{w}", **client_options))
         models.append(m)
 
     def run(w):
@@ -151,5 +152,65 @@ def test_killed_shard_restarts_from_snapshot(ray_cluster, tmp_path):
             assert all(torch.equal(p.detach(), server[n]) for n, p in m.named_parameters())
         model.load_state_dict(server)
         assert _loss(model, eval_data) < 0.2 * initial
+    finally:
+        _stop(ray, shards)
+
+
+def test_rapidfire_adamw_on_the_shards_is_rapidfire_adamw(ray_cluster):
+    """One worker, lossless codec: warm-up pushes are AdamW on the shards, then the worker's own
+    update on the frozen variance; step for step what RapidfireAdamW does on one process."""
+    ray = ray_cluster
+    model, reference = _model(), _model()
+    opts = {"lr": 0.02, "weight_decay": 0.1}
+    shards, _, _pinned = launch_shards(model.named_parameters(), 2, codec="none", max_staleness=0, optimizer=opts)
+    ref_opt = RapidfireAdamW(reference.parameters(), **opts, freeze_step=4, codec="none")
+    client = PSClient(model.named_parameters(), shards, codec="none", max_staleness=0, worker_id="w",
+                      freeze_step=4)
+    x, y = _data(seed=3)
+    try:
+        client.sync()
+        for step in range(12):
+            batch = slice(32 * step, 32 * step + 32)
+            for m in (model, reference):
+                m.zero_grad()
+                torch.nn.functional.mse_loss(m(x[batch]), y[batch]).backward()
+            assert client.in_compressed_stage == (step >= 4)
+            report = client.push_and_pull({n: p.grad for n, p in model.named_parameters()}, lr=opts["lr"])
+            assert report["kind"] == ("update" if step >= 4 else "grad")
+            ref_opt.step()
+            for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=f"{n} at step {step}")
+        stats = ray.get([s.stats.remote() for s in shards])
+        assert all(st["applied_by_kind"] == {"grad": 4, "update": 8} for st in stats)
+        # A restarted worker that loads the client state goes on in the compressed stage.
+        again = PSClient(model.named_parameters(), shards, codec="none", max_staleness=0, worker_id="w",
+                         freeze_step=4)
+        again.load_state_dict(client.state_dict())
+        assert again.in_compressed_stage and again.compressed_steps == 8
+        assert all(torch.equal(again.momentum[n], t) for n, t in client.momentum.items())
+    finally:
+        _stop(ray, shards)
+
+
+def test_rapidfire_adamw_1bit_two_workers(ray_cluster):
+    ray = ray_cluster
+    model = _model()
+    eval_data = _data(seed=7)
+    initial = _loss(model, eval_data)
+    shards, _, _pinned = launch_shards(model.named_parameters(), 2, codec="1bit", codec_opts={"scale": "rms"},
+                                      max_staleness=1, optimizer={"lr": 0.03})
+    try:
+        clients, _ = _train(shards, "1bit", 1, codec_opts={"scale": "rms"}, freeze_step=8)
+        stats = ray.get([s.stats.remote() for s in shards])
+        for st in stats:
+            assert st["applied_by_kind"] == {"grad": 2 * 8, "update": 2 * (STEPS - 8)}
+            assert st["staleness_max"] <= 1
+        model.load_state_dict(_server_params(ray, shards))
+        assert _loss(model, eval_data) < 0.2 * initial
+        # Warm-up pushes are float32; compressed pushes 1 bit per element plus scales.
+        fp32_per_push = 4 * sum(p.numel() for p in model.parameters())
+        for c in clients:
+            assert c.in_compressed_stage and c.compressed_steps == STEPS - 8
+            assert c.report()["bytes_sent"] < fp32_per_push * (8 + (STEPS - 8) / 4)
     finally:
         _stop(ray, shards)

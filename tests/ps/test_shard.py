@@ -128,3 +128,29 @@ def test_snapshot_restore_resumes_and_counts_lost(tmp_path):
     at_snapshot.push("w", 4, 3, enc)  # same optimizer state and step count: same result
     assert all(torch.equal(restored.state()["params"][n], at_snapshot.state()["params"][n]) for n in _params())
     assert restored.stats()["lost_updates"] == 2
+
+
+def test_update_push_applies_lr_times_update_with_decay_and_holds_zero_variance_still():
+    shard = ParameterShard(0, _params(), codec="none", optimizer={"lr": 0.1, "weight_decay": 0.5})
+    none = get_codec("none")
+    grads = {"a": torch.randn(3000), "b": torch.zeros(10, 7)}
+    grads["b"][0] = 1.0  # row 0 of b has a gradient, the rest none: v == 0 there
+    shard.push("w", 1, 0, {n: none.encode(t) for n, t in grads.items()})  # one AdamW step
+    pre = shard.preconditioner()
+    assert pre["step"] == 1 and pre["betas"] == (0.9, 0.999)
+    v = shard.optimizer.state[shard.params["a"]]["exp_avg_sq"]
+    torch.testing.assert_close(pre["denom"]["a"], v.sqrt() / (1 - 0.999) ** 0.5 + 1e-8)
+    torch.testing.assert_close(pre["exp_avg"]["a"], 0.1 * grads["a"])
+    assert pre["zero_variance"]["b"][1:].all() and not pre["zero_variance"]["b"][0].any()
+    before = shard.state()["params"]
+    update = {"a": torch.full((3000,), 0.5), "b": torch.ones(10, 7)}
+    reply = shard.push("w", 2, 1, {n: none.encode(t) for n, t in update.items()}, lr=0.01, kind="update")
+    assert reply["status"] == "applied" and shard.stats()["applied_by_kind"] == {"grad": 1, "update": 1}
+    after = shard.state()["params"]
+    torch.testing.assert_close(after["a"], before["a"] * (1 - 0.01 * 0.5) - 0.01 * 0.5)
+    torch.testing.assert_close(after["b"][0], before["b"][0] * (1 - 0.01 * 0.5) - 0.01)
+    torch.testing.assert_close(after["b"][1:], before["b"][1:] * (1 - 0.01 * 0.5))  # decay only
+    # the AdamW state is left alone by an update push
+    assert shard.optimizer.state[shard.params["a"]]["step"] == 1
+    with pytest.raises(ValueError, match="push kind must be one of grad, update"):
+        shard.push("w", 3, 2, {}, kind="delta")
