@@ -19,6 +19,7 @@ Parts (`--parts`, default all):
   with codec none and --codec, and `rapidfire_adamw` with --codec) against `allreduce`; bytes
   per step each way. The training loss of a parameter-server run is rank 0's own batch (there
   is no gather), allreduce's the mean over both workers: the held-out loss is the comparison.
+  `max_staleness` --conv-staleness (default 1).
 - shards: 4 workers, `parameter_server` with 1, 2 and 4 shards: updates/s per shard and in all,
   push/pull latency, the workers' admission wait: whether the server is the bottleneck.
 
@@ -210,7 +211,7 @@ def convergence(args, model_dir: str, out: str) -> dict:
         key = f"parameter_server_{codec}" + ("_rapidfire_adamw" if optimizer == "rapidfire_adamw" else "")
         r = run(args, model_dir, out, key.replace("parameter_server", "conv-ps").replace("_", "-"), 2, **{
             "communication.mode": "parameter_server", "communication.ps.num_shards": 2,
-            "communication.ps.max_staleness": 1, "optimizer.type": optimizer,
+            "communication.ps.max_staleness": args.conv_staleness, "optimizer.type": optimizer,
             "optimizer.params.compression.grad": codec})
         gap = r["final_loss"] / sync["final_loss"] - 1
         tail_gap = tail_loss(r) / tail_loss(sync) - 1
@@ -258,6 +259,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--codec", default="1bit", choices=["none", "fp16", "1bit", "2bit"])
     p.add_argument("--staleness", type=int, default=16, help="communication.ps.max_staleness of the 4-worker runs")
+    p.add_argument("--conv-staleness", type=int, default=1,
+                   help="communication.ps.max_staleness of the convergence part (0: no stale update)")
     p.add_argument("--slow-factor", type=float, default=3.0)
     p.add_argument("--heldout", type=int, default=120,
                    help="last rows of the sample data kept out of training for the held-out loss (0: none)")

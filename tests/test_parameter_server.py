@@ -85,6 +85,30 @@ def test_two_workers_two_shards_1bit_train_with_bounded_staleness_and_resume(ray
     assert_model_is_server_state(tmp_path / "ps", resumed["checkpoint"], 2)
 
 
+def test_rapidfire_adamw_on_the_shards_warms_up_then_pushes_updates_and_resumes(ray_cluster, tmp_path):
+    rfa = ["communication.ps.num_shards=2", "communication.ps.max_staleness=1", "optimizer.type=rapidfire_adamw",
+           "optimizer.params.compression.grad=1bit", "optimizer.params.freeze_step=3"]
+    s = train(tmp_path, "ps-rfa", *rfa)
+    assert s["final_loss"] < s["first_loss"], s["loss_history"]
+    ps = s["parameter_server"]
+    # 2 workers x 2 shards: 3 warm-up steps of AdamW on exact gradients, then 5 of updates
+    assert ps["applied_by_kind"] == {"grad": 2 * 3 * 2, "update": 2 * 5 * 2}, ps
+    records = sorted(steps_of(tmp_path, "ps-rfa"), key=lambda r: (r["rank"], r["step"]))
+    kinds = [r["ps_push_kind"] for r in records if r["rank"] == 0]
+    assert kinds == ["grad"] * 3 + ["update"] * 5, kinds
+    warm = [r["ps_bytes_pushed"] for r in records if r["ps_push_kind"] == "grad"]
+    compressed = [r["ps_bytes_pushed"] for r in records if r["ps_push_kind"] == "update"]
+    assert max(compressed) < min(warm) / 20  # float32 gradients, then 1 bit per element (+ scales)
+    state = torch.load(os.path.join(s["checkpoint"], "comm_state_rank0.pt"), weights_only=True)["ps_client"]
+    assert state["steps"] == 8 and state["rapidfire_adamw"]["compressed_steps"] == 5
+    assert_model_is_server_state(tmp_path / "ps-rfa", s["checkpoint"], 2)
+
+    # Resumed: each worker's momentum and frozen denominator come back; no second warm-up.
+    resumed = train(tmp_path, "ps-rfa", *rfa, "train.max_steps=10", resume=True)
+    assert resumed["start_step"] == 8 and resumed["steps"] == 10
+    assert resumed["parameter_server"]["applied_by_kind"] == {"update": 2 * 2 * 2}
+
+
 def _kill_when(predicate, action, stop):
     def run():
         while not stop.is_set():

@@ -11,10 +11,15 @@ Two stages, decided by the number of optimizer steps applied so far (t):
 - Compressed, steps > freeze_step: the second moment v is frozen at its last warm-up value and
   with it v's bias correction 1 - beta2**t_freeze, so the preconditioner sqrt(v_hat) + eps is
   the one the last warm-up step used. Each rank updates the momentum from its LOCAL gradient,
-  m_local = lerp(m, g_local, 1 - beta1), and the ranks average m_local with
-  `compressed_allreduce` (1-bit Adam's two-phase exchange with worker and server error
-  feedback): one flat float32 buffer per (param group, device), each with its own
-  `AllreduceState`. The average becomes every rank's m, then
+  m_local = lerp(m, g_local, 1 - beta1), and the ranks average m_local / denom (denom =
+  sqrt(v_hat) + eps, frozen: the same on every rank) with `compressed_allreduce` (1-bit Adam's
+  two-phase exchange with worker and server error feedback): one flat float32 buffer per (param
+  group, device), each with its own `AllreduceState`. Sending the preconditioned momentum rather
+  than m itself puts the codec's per-chunk error where the update is: a chunk's elements all come
+  back at one magnitude, and for m that magnitude is then divided by each element's own denom,
+  which blows up small-variance elements' error; for m / denom it is the update's own scale
+  (measured in issue 4's note). Averaging is linear, so the average times denom is the averaged
+  momentum, which becomes every rank's m, then
       p -= lr * (m / (1 - beta1**t) / (sqrt(v) / sqrt(1 - beta2**t_freeze) + eps) + weight_decay * p)
   (decay applied first, as AdamW: p *= 1 - lr * weight_decay). m's bias correction is the
   one AdamW would use at step t: m is still the same zero-started running average of
@@ -101,6 +106,13 @@ def default_freeze_step(total_steps: int) -> int:
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
         raise ValueError(f"total_steps must be a non-negative int, got {total_steps!r}")
     return max(1, total_steps // 5)
+
+
+def _frozen_denom(state: dict, beta2: float, eps: float) -> torch.Tensor:
+    """sqrt(v_hat) + eps with the variance and its bias correction frozen at the last warm-up step."""
+    variance_step = state["variance_step"]
+    bias_correction2 = 1 - beta2**variance_step if variance_step > 0 else 1.0  # v == 0 there: masked
+    return (state["exp_avg_sq"].sqrt() / bias_correction2**0.5).add_(eps)
 
 
 def _codec(name: str | Codec, chunk_size: int) -> Codec:
@@ -306,11 +318,13 @@ class RapidfireAdamW(torch.optim.Optimizer):
                 else:  # no gradient on this rank: it contributes a zero gradient
                     torch.lerp(m, m.new_zeros(()).expand_as(m), 1 - beta1, out=out)
                 out.masked_fill_((state["exp_avg_sq"] == 0).reshape(-1), 0.0)
+                out.div_(_frozen_denom(state, beta2, eps).reshape(-1))  # the codec sees m / denom
             ar_state = self._allreduce_state(key, device, flat.numel(), world)
             averaged = compressed_allreduce(flat, self.codec, ar_state, group=group, stats=self.stats)
             for i, p, avg in zip(indices, members, averaged.reshape(-1).split(sizes)):
                 if takes_part[i]:
-                    self._apply(p, avg, lr, beta1, beta2, eps, wd)
+                    m = avg.view(p.shape) * _frozen_denom(self.state[p], beta2, eps)
+                    self._apply(p, m, lr, beta1, beta2, eps, wd)
         return True
 
     def _apply(self, p: torch.Tensor, averaged: torch.Tensor, lr: float, beta1: float, beta2: float,
@@ -322,10 +336,8 @@ class RapidfireAdamW(torch.optim.Optimizer):
         step_t += 1
         if wd != 0:
             p.mul_(1 - lr * wd)
-        variance_step = state["variance_step"]
         bias_correction1 = 1 - beta1**step_t.item()
-        bias_correction2 = 1 - beta2**variance_step if variance_step > 0 else 1.0  # v == 0 there: masked
-        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+        denom = _frozen_denom(state, beta2, eps)
         if self.max_update is None:
             p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
         else:  # the per-element trust bound of the compressed stage (see the module docstring)

@@ -244,6 +244,10 @@ def _simulated_history(world: int = 2) -> list[dict]:
     return history
 
 
+def _denom(st, b2, eps):
+    return (st["exp_avg_sq"].sqrt() / (1 - b2 ** st["variance_step"]) ** 0.5).add_(eps)
+
+
 @torch.no_grad()
 def _simulated_compressed_step(adamw, params, grads, codec, ar_states) -> None:
     names = {p: n for n, p in params.items()}
@@ -262,7 +266,8 @@ def _simulated_compressed_step(adamw, params, grads, codec, ar_states) -> None:
                 local = g[names[p]] if g[names[p]] is not None else torch.zeros_like(p)
                 m = torch.lerp(st["exp_avg"], local, 1 - b1)
                 m[st["exp_avg_sq"] == 0] = 0
-                pieces.append(m.reshape(-1))
+                st.setdefault("variance_step", st["step"].item())
+                pieces.append((m / _denom(st, b2, eps)).reshape(-1))  # the preconditioned momentum is sent
             flats.append(torch.cat(pieces))
         averaged = simulate_compressed_allreduce(flats, codec, states)[0]
         for p, part, avg in zip(members, takes, averaged.split([p.numel() for p in members])):
@@ -270,11 +275,11 @@ def _simulated_compressed_step(adamw, params, grads, codec, ar_states) -> None:
                 continue
             st = adamw.state[p]
             st.setdefault("variance_step", st["step"].item())
-            st["exp_avg"] = avg.view_as(p).clone()
+            st["exp_avg"] = avg.view_as(p) * _denom(st, b2, eps)
             st["exp_avg"][st["exp_avg_sq"] == 0] = 0
             st["step"] += 1
             p.mul_(1 - lr * wd)
-            denom = (st["exp_avg_sq"].sqrt() / (1 - b2 ** st["variance_step"]) ** 0.5).add_(eps)
+            denom = _denom(st, b2, eps)
             update = (st["exp_avg"] / (1 - b1 ** st["step"].item())).div_(denom).clamp_(-1.0, 1.0)  # max_update
             p.add_(update, alpha=-lr)
 
