@@ -742,6 +742,8 @@ def main() -> None:
              "returncode": proc.returncode, "stdout": proc.stdout, "rows": sm.check(args.out),
              "tolerance": 0.2}
     check["within_tolerance"] = all(abs(r["error"]) <= 0.2 for r in check["rows"])
+    check["within_tolerance_link_bytes"] = all(abs(r["error_link_bytes"]) <= 0.2 for r in check["rows"]
+                                               if "error_link_bytes" in r)
     with open(args.check_out + ".tmp", "w") as f:
         json.dump(check, f, indent=2)
     os.replace(args.check_out + ".tmp", args.check_out)

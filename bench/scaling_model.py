@@ -130,11 +130,51 @@ def project(args) -> list[dict]:
     return rows
 
 
+def link_bytes_exchange_s(link_bytes: float, mode: str, x: StepInputs, link: Link) -> float:
+    """The exchange time from the bytes that really crossed the busiest link direction in a step
+    (veth counters: the product's bytes plus TCP/IP framing, ACKs and Ray's own traffic) instead
+    of the codec formula: bytes / rate plus the same latency and codec terms as `exchange_s`."""
+    n = x.nodes
+    if n <= 1:
+        return 0.0
+    wire = link_bytes / link.bandwidth_bytes_s
+    fp32_lat = 2 * (n - 1) * link.latency_s
+    comp_lat = 3 * (n - 1) * link.latency_s + 4 * x.params / (x.codec_gbps * 1e9)
+    if mode == "allreduce":
+        return wire + fp32_lat
+    if mode == "allreduce_compressed":
+        if x.codec_params:
+            lat = sum((2 if codec in ("none", "fp16") else 3) * (n - 1) * link.latency_s
+                      + (0.0 if codec in ("none", "fp16") else 4 * numel / (x.codec_gbps * 1e9))
+                      for codec, numel in x.codec_params if numel)
+            return wire + lat
+        return wire + comp_lat
+    if mode == "rapidfire_adamw":
+        return wire + x.warmup_share * fp32_lat + (1 - x.warmup_share) * comp_lat
+    raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
+
+
+def _link_bytes(node_counts: list[dict]) -> dict[tuple[str, int], float]:
+    """(variant, nodes) -> bytes per measured step through the busiest link direction."""
+    out = {}
+    for nr in node_counts:
+        for variant, run in nr.get("runs", {}).items():
+            per_node = run.get("link_bytes_per_measured_step")
+            if per_node:
+                out[(variant, nr["nodes"])] = max(max(d["out"], d["in"]) for d in per_node)
+    return out
+
+
 def check(path: str) -> list[dict]:
     """Predicted vs measured step time for runs recorded by bench/comm_bound.py: each run gives
-    nodes, params, the measured compute time (1-node step), the link, and the measured step."""
+    nodes, params, the measured compute time (1-node step), the link, and the measured step.
+    `predicted_s` takes the bytes from the codec formulas; where the result file has the link's
+    own byte counters, `predicted_link_bytes_s` takes the bytes that crossed the link instead (the
+    time part of the model checked on its own, with Ray's traffic and TCP framing included)."""
     with open(path, encoding="utf-8") as f:
-        runs = json.load(f)["runs"]
+        result = json.load(f)
+    runs = result["runs"]
+    link_bytes = _link_bytes(result.get("node_counts", []))
     out = []
     for r in runs:
         link = Link("measured", r["bandwidth_bytes_s"], r.get("latency_s", 0.0), r.get("wire_overhead", 1.0))
@@ -142,9 +182,17 @@ def check(path: str) -> list[dict]:
                        codec_gbps=r.get("codec_gbps", 0.25), warmup_share=r.get("warmup_share", 0.0),
                        codec_params=tuple(sorted(r["codec_params"].items())) if r.get("codec_params") else None)
         predicted = step_s(r["mode"], x, link)
-        out.append({"mode": r["mode"], **({"variant": r["variant"]} if "variant" in r else {}), "nodes": r["nodes"],
-                    "measured_s": r["step_s"], "predicted_s": round(predicted, 4),
-                    "error": round(predicted / r["step_s"] - 1, 3)})
+        row = {"mode": r["mode"], **({"variant": r["variant"]} if "variant" in r else {}), "nodes": r["nodes"],
+               "measured_s": r["step_s"], "predicted_s": round(predicted, 4),
+               "error": round(predicted / r["step_s"] - 1, 3)}
+        lb = link_bytes.get((r.get("variant", r["mode"]), r["nodes"]))
+        if lb is not None:
+            # the link counters count frames: no wire_overhead on top
+            raw = Link("measured", r["bandwidth_bytes_s"], r.get("latency_s", 0.0))
+            by_link = x.compute_s + link_bytes_exchange_s(lb, r["mode"], x, raw)
+            row.update({"link_bytes_per_step": round(lb), "predicted_link_bytes_s": round(by_link, 4),
+                        "error_link_bytes": round(by_link / r["step_s"] - 1, 3)})
+        out.append(row)
     return out
 
 
