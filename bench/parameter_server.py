@@ -8,8 +8,9 @@ Parts (`--parts`, default all):
 - straggler: 4 workers, rank 3 slowed --slow-factor x by an injected delay
   (RAPIDFIRE_INJECT_SLOW_RANKS, rapidfire_ray/faults.py: after its forward+backward the worker
   sleeps (factor - 1) x the compute it just did). `allreduce` (AdamW, fp32) against
-  `parameter_server` (2 shards, --codec, --staleness). Reported: samples/s while every worker
-  trains (from the first step every worker has finished to the first worker's last step: the
+  `parameter_server` (2 shards, --codec, --staleness, --ps-optimizer). Reported: samples/s
+  while every worker trains (from the first step every worker has finished to the first
+  worker's last step: the
   system's throughput with a straggler in it) and end to end (all samples / training wall
   time). Every worker trains its own shard of the data for the same number of steps in both
   modes, so end to end the run still waits for the straggler's last step.
@@ -186,7 +187,8 @@ def straggler(args, model_dir: str, out: str) -> dict:
     sync = run(args, model_dir, out, "straggler-allreduce", 4, slow)
     ps = run(args, model_dir, out, "straggler-ps", 4, slow, **{
         "communication.mode": "parameter_server", "communication.ps.num_shards": 2,
-        "communication.ps.max_staleness": args.staleness, "optimizer.params.compression.grad": args.codec})
+        "communication.ps.max_staleness": args.staleness, "optimizer.params.compression.grad": args.codec,
+        "optimizer.type": args.ps_optimizer})
     ratio = ps["while_all_train"]["samples_per_s"] / sync["while_all_train"]["samples_per_s"]
     e2e = ps["samples_per_s_end_to_end"] / sync["samples_per_s_end_to_end"]
     say(f"straggler: samples/s while all train {ratio:.2f}x allreduce (target >= 1.5x); end to end {e2e:.2f}x")
@@ -236,7 +238,8 @@ def shards(args, model_dir: str, out: str) -> dict:
     for n in (1, 2, 4):
         r = run(args, model_dir, out, f"shards-{n}", 4, **{
             "communication.mode": "parameter_server", "communication.ps.num_shards": n,
-            "communication.ps.max_staleness": args.staleness, "optimizer.params.compression.grad": args.codec})
+            "communication.ps.max_staleness": args.staleness, "optimizer.params.compression.grad": args.codec,
+            "optimizer.type": args.ps_optimizer})
         ps = r["parameter_server"]
         waits = [w.get("wait_s") for w in ps.get("workers", []) if w.get("wait_s") is not None]
         res[str(n)] = {**ps_numbers(r), "updates_per_s_total": round(sum(ps["updates_per_s_per_shard"]), 3),
@@ -259,6 +262,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--codec", default="1bit", choices=["none", "fp16", "1bit", "2bit"])
     p.add_argument("--staleness", type=int, default=16, help="communication.ps.max_staleness of the 4-worker runs")
+    p.add_argument("--ps-optimizer", default="rapidfire_adamw", choices=["adamw", "rapidfire_adamw"],
+                   help="optimizer.type of the straggler and shards parts' parameter-server runs")
     p.add_argument("--conv-staleness", type=int, default=1,
                    help="communication.ps.max_staleness of the convergence part (0: no stale update)")
     p.add_argument("--slow-factor", type=float, default=3.0)
