@@ -16,6 +16,13 @@ within `max_staleness`, the shard refuses and the client waits and asks again (`
 the staleness of every applied update stays within the bound. The staleness of each push
 comes back with its acknowledgement and is reported.
 
+rapidfire_adamw (`freeze_step` given): the first `freeze_step` pushes carry exact float32 gradients
+(the shards run AdamW on them); then the client takes the shards' momentum and frozen
+preconditioner sqrt(v_hat) + eps once (`ParameterShard.preconditioner`), keeps its own momentum
+and pushes its AdamW update m_hat / denom in the codec with error feedback (`kind="update"`),
+which the shards apply with the learning rate and weight decay. The momentum, denominator and
+step count are part of `state_dict()`; a worker restarted without it warms up again.
+
 Shards are acquired in index order (all at once first; on a refusal the later ones are
 released and taken again in order), which is what keeps several shards from deadlocking.
 
