@@ -108,11 +108,11 @@ def default_freeze_step(total_steps: int) -> int:
     return max(1, total_steps // 5)
 
 
-def _frozen_denom(state: dict, beta2: float, eps: float) -> torch.Tensor:
-    """sqrt(v_hat) + eps with the variance and its bias correction frozen at the last warm-up step."""
-    variance_step = state["variance_step"]
+def frozen_denom(exp_avg_sq: torch.Tensor, variance_step: int, beta2: float, eps: float) -> torch.Tensor:
+    """Adam's preconditioner sqrt(v_hat) + eps for a variance frozen after `variance_step` steps
+    (its bias correction frozen with it). Also what a parameter shard hands its workers."""
     bias_correction2 = 1 - beta2**variance_step if variance_step > 0 else 1.0  # v == 0 there: masked
-    return (state["exp_avg_sq"].sqrt() / bias_correction2**0.5).add_(eps)
+    return (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
 
 
 def _codec(name: str | Codec, chunk_size: int) -> Codec:
@@ -307,6 +307,7 @@ class RapidfireAdamW(torch.optim.Optimizer):
             members = [params[i] for i in indices]
             sizes = [p.numel() for p in members]
             flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+            denoms = {}
             for i, p, out in zip(indices, members, flat.split(sizes)):
                 if not takes_part[i]:
                     continue  # sent as zeros; its state stays as it is
@@ -318,17 +319,17 @@ class RapidfireAdamW(torch.optim.Optimizer):
                 else:  # no gradient on this rank: it contributes a zero gradient
                     torch.lerp(m, m.new_zeros(()).expand_as(m), 1 - beta1, out=out)
                 out.masked_fill_((state["exp_avg_sq"] == 0).reshape(-1), 0.0)
-                out.div_(_frozen_denom(state, beta2, eps).reshape(-1))  # the codec sees m / denom
+                denoms[i] = frozen_denom(state["exp_avg_sq"], state["variance_step"], beta2, eps)
+                out.div_(denoms[i].reshape(-1))  # the codec sees m / denom
             ar_state = self._allreduce_state(key, device, flat.numel(), world)
             averaged = compressed_allreduce(flat, self.codec, ar_state, group=group, stats=self.stats)
             for i, p, avg in zip(indices, members, averaged.reshape(-1).split(sizes)):
                 if takes_part[i]:
-                    m = avg.view(p.shape) * _frozen_denom(self.state[p], beta2, eps)
-                    self._apply(p, m, lr, beta1, beta2, eps, wd)
+                    self._apply(p, avg.view(p.shape) * denoms[i], denoms[i], lr, beta1, wd)
         return True
 
-    def _apply(self, p: torch.Tensor, averaged: torch.Tensor, lr: float, beta1: float, beta2: float,
-               eps: float, wd: float) -> None:
+    def _apply(self, p: torch.Tensor, averaged: torch.Tensor, denom: torch.Tensor, lr: float, beta1: float,
+               wd: float) -> None:
         state = self.state[p]
         exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
         exp_avg.copy_(averaged.view(p.shape))
@@ -337,7 +338,6 @@ class RapidfireAdamW(torch.optim.Optimizer):
         if wd != 0:
             p.mul_(1 - lr * wd)
         bias_correction1 = 1 - beta1**step_t.item()
-        denom = _frozen_denom(state, beta2, eps)
         if self.max_update is None:
             p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
         else:  # the per-element trust bound of the compressed stage (see the module docstring)

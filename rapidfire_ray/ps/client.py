@@ -83,6 +83,7 @@ class PSClient:
 
         described = ray.get([s.describe.remote() for s in self.shards])
         self.partition = [d["names"] for d in described]
+        self.shard_of = {name: i for i, names in enumerate(self.partition) for name in names}
         owned = [n for names in self.partition for n in names]
         missing = sorted(set(self.params) - set(owned))
         extra = sorted(set(owned) - set(self.params))
@@ -221,14 +222,13 @@ class PSClient:
         update is: elements of m with a tiny variance would otherwise turn the chunk-wide scale
         into huge steps."""
         out = {}
-        shard_of = {name: i for i, names in enumerate(self.partition) for name in names}
         for name, g in grads.items():
             if g is None:
                 continue
             m = self.momentum[name]
             m.lerp_(g.detach().to(m.device, torch.float32).reshape(m.shape), 1 - self.beta1)
             m.masked_fill_(self.zero_variance[name], 0.0)
-            t = self.base_step[shard_of[name]] + self.compressed_steps + 1
+            t = self.base_step[self.shard_of[name]] + self.compressed_steps + 1
             u = (m / (1 - self.beta1**t)).div_(self.denom[name])
             if self.max_update is not None:
                 u.clamp_(-self.max_update, self.max_update)

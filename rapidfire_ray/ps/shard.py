@@ -9,8 +9,9 @@ It holds the partition's master copy in float32 and its AdamW state, and a versi
   it never waits for other workers). With `optimizer.type: rapidfire_adamw` a worker pushes
   uncompressed gradients for its warm-up, then (`kind="update"`) its own compressed AdamW update
   m_hat / (sqrt(v_hat) + eps) preconditioned with the variance it took from `preconditioner()`,
-  which the shard applies with the scheduled lr and decoupled weight decay (see client.py). Staleness = version before this update - base_version
-  (the version the worker's gradient was computed on) is recorded for every applied update.
+  which the shard applies with the scheduled lr and decoupled weight decay (see client.py).
+  Staleness = version before this update - base_version (the version the worker's gradient was
+  computed on) is recorded for every applied update.
   `seq` numbers a worker's pushes to this shard 1, 2, 3...: a retried push (Ray retries tasks
   across an actor restart) is applied at most once, and a gap after a restart counts the
   worker's acknowledged pushes that the restored snapshot does not contain (`lost_updates`).
@@ -64,6 +65,7 @@ import torch
 
 from ..comm.stats import _percentile
 from ..compression import Encoded, get_codec
+from ..optim import frozen_denom
 
 SNAPSHOT_FORMAT = "rapidfire_ray.ps.shard/1"
 LR_SCALINGS = ("none", "inverse")
@@ -242,10 +244,9 @@ class ParameterShard:
                 continue
             t = int(st["step"])
             steps.append(t)
-            v = st["exp_avg_sq"]
-            denom[name] = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
+            denom[name] = frozen_denom(st["exp_avg_sq"], t, beta2, eps)
             exp_avg[name] = st["exp_avg"].detach().clone()
-            zero[name] = v == 0
+            zero[name] = st["exp_avg_sq"] == 0
         return {"step": max(steps, default=0), "betas": (beta1, beta2), "eps": eps,
                 "exp_avg": exp_avg, "denom": denom, "zero_variance": zero}
 
