@@ -1,0 +1,77 @@
+"""bench/scaling_model.py: the formulas and the check against measured runs (no Ray)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from paths import REPO
+
+SCRIPT = os.path.join(REPO, "bench", "scaling_model.py")
+
+
+@pytest.fixture(scope="module")
+def sm():
+    spec = importlib.util.spec_from_file_location("scaling_model", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look the module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(mode, step_s, link_bytes=None, **extra):
+    run = {"mode": mode, "variant": mode, "nodes": 2, "params": 100_000, "compute_s": 0.05,
+           "bandwidth_bytes_s": 250_000.0, "latency_s": 0.001, "wire_overhead": 1.0, "step_s": step_s,
+           "codec": "1bit", "codec_gbps": 0.25, **extra}
+    counters = {"link_bytes_per_measured_step": [{"out": link_bytes, "in": link_bytes // 2}]} if link_bytes else {}
+    return run, counters
+
+
+def test_allreduce_exchange_is_the_ring_formula(sm):
+    x = sm.StepInputs(params=100_000, compute_s=0.05, nodes=2)
+    link = sm.Link("l", 250_000.0, 0.001)
+    # 2 (n-1)/n * 4 P / B + 2 (n-1) latency at n = 2
+    assert sm.exchange_s("allreduce", x, link) == pytest.approx(400_000 / 250_000 + 0.002)
+    assert sm.step_s("allreduce", x, link) == pytest.approx(0.05 + 1.6 + 0.002)
+
+
+def test_check_takes_the_larger_of_compute_plus_exchange_and_the_link_bound(sm, tmp_path):
+    # allreduce: its link carried 500 kB per step (payload 400 kB + other traffic), so the link
+    # bound (2.0 s + latency) exceeds compute + exchange (1.652 s); pure 1-bit: the link carried
+    # little beyond its payload, so compute + exchange is the larger.
+    ar, ar_counters = _run("allreduce", 2.1, link_bytes=500_000)
+    c1, c1_counters = _run("allreduce_compressed", 0.12, link_bytes=14_000)
+    result = {"runs": [ar, c1],
+              "node_counts": [{"nodes": 2, "runs": {"allreduce": ar_counters, "allreduce_compressed": c1_counters}}]}
+    path = tmp_path / "comm_bound.json"
+    path.write_text(json.dumps(result))
+    rows = {r["mode"]: r for r in sm.check(str(path))}
+    assert rows["allreduce"]["link_bound_s"] == pytest.approx(500_000 / 250_000 + 0.002, abs=1e-4)
+    assert rows["allreduce"]["predicted_roofline_s"] == rows["allreduce"]["link_bound_s"]
+    assert rows["allreduce"]["predicted_roofline_s"] > rows["allreduce"]["predicted_s"]
+    c = rows["allreduce_compressed"]
+    assert c["predicted_roofline_s"] == c["predicted_s"] > c["link_bound_s"]
+    assert c["error_roofline"] == pytest.approx(c["predicted_s"] / 0.12 - 1, abs=1e-3)
+
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "check", str(path), "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["rows"]] == ["allreduce", "allreduce_compressed"]
+    # allreduce: formula 1.652 vs 2.1 measured (-21%), roofline 2.002 (-4.7%)
+    assert report["within_tolerance"] is False and report["within_tolerance_roofline"] is True
+    assert "roofline True" in proc.stdout
+
+
+def test_a_run_without_link_counters_has_no_roofline_verdict(sm, tmp_path):
+    ar, _ = _run("allreduce", 1.7)
+    path = tmp_path / "comm_bound.json"
+    path.write_text(json.dumps({"runs": [ar]}))
+    report = sm.check_report(str(path))
+    assert "predicted_roofline_s" not in report["rows"][0]
+    assert report["within_tolerance_roofline"] is False and report["worst_error_roofline"] is None
