@@ -45,9 +45,10 @@ import time
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from heldout import heldout_loss, split_data  # noqa: E402  (bench/heldout.py, beside this script)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "jobs", "configs", "tiny.yaml")
-DATA = os.path.join(REPO, "jobs", "data", "sft_sample.jsonl")
 
 
 def say(msg: str) -> None:
@@ -84,44 +85,6 @@ def env(**values):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def split_data(out: str, heldout: int) -> tuple[str, list[dict]]:
-    """The sample data without its last `heldout` rows (written to `out`), and those rows."""
-    with open(DATA, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if not 0 <= heldout < len(rows):
-        raise SystemExit(f"--heldout: {heldout} rows; the sample data has {len(rows)}")
-    train = rows[: len(rows) - heldout]
-    path = os.path.join(out, "train.jsonl")
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in train)
-    return path, rows[len(rows) - heldout:]
-
-
-def heldout_loss(model_dir: str, rows: list[dict], max_length: int) -> float:
-    """Mean cross-entropy per trained token (the completion and its end token, as SFT trains
-    them) of the model in `model_dir` over `rows`."""
-    import torch
-
-    from rapidfire_ray.data.tokenize import SFTTokenizer
-    from rapidfire_ray.models import load_model
-
-    n = len(rows)
-    batch = {"source": [str(i) for i in range(n)], "messages": [""] * n, "text": [""] * n,
-             "prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
-    tokens = SFTTokenizer(model_dir, "prompt_completion", max_length)(batch)
-    model = load_model(model_dir, dtype=torch.float32).eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ids, mask in zip(tokens["input_ids"], tokens["loss_mask"]):
-            ids = torch.as_tensor(ids, dtype=torch.long)[None]
-            target = torch.as_tensor(mask[1:], dtype=torch.bool)
-            logits = model(ids).logits[0, :-1]
-            losses = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
-            total += float(losses[target].sum())
-            count += int(target.sum())
-    return total / count
 
 
 def run(args, model_dir: str, out: str, name: str, workers: int, slow: str | None = None, **overrides) -> dict:
