@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rapidfire_ray.cli import main
 from paths import SAMPLE, TINY_PROFILE
@@ -43,6 +44,10 @@ def test_rapidfire_adamw_trains_and_resumes(ray_cluster, tmp_path):
     assert ratio[3] > 10 and ratio[4] > 10  # then only the 1-bit momentum crosses the wire
     ckpt = tmp_path / "onebit" / "checkpoint-00000004"
     assert sorted(p.name for p in ckpt.glob("comm_state_rank*.pt")) == ["comm_state_rank0.pt", "comm_state_rank1.pt"]
+    # The trainer clipped through the optimizer (train.grad_clip 1.0): both warm-up steps measured
+    # how much shorter the averaged gradient is than the ranks' own, the ratio it clips with later.
+    ours = torch.load(ckpt / "optimizer.pt", weights_only=True)["rapidfire_adamw"]
+    assert ours["grad_norm_ratio_samples"] == 2 and 0 < ours["grad_norm_ratio_sq"] < 1
     resumed = train(tmp_path, "onebit", "optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit",
                     "optimizer.params.freeze_step=2", "train.max_steps=6", "checkpoint.every_steps=2", resume=True)
     assert resumed["start_step"] == 4 and resumed["steps"] == 6

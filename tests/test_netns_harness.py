@@ -5,7 +5,6 @@ Numbers (measured bandwidth) are printed; run with `-s` to see them.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -15,20 +14,12 @@ import tempfile
 import time
 
 import pytest
+from paths import REPO, load_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NETNS_PY = os.path.join(REPO, "cluster", "local", "netns.py")
 
 
-def _load_netns():
-    spec = importlib.util.spec_from_file_location("rapidfire_netns_harness", NETNS_PY)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod          # dataclasses look the module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-netns = _load_netns()
+netns = load_script(NETNS_PY, "rapidfire_netns_harness")
 _PID = os.getpid()
 
 

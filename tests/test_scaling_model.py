@@ -1,7 +1,6 @@
 """bench/scaling_model.py: the formulas and the check against measured runs (no Ray)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,18 +8,14 @@ import sys
 
 import pytest
 
-from paths import REPO
+from paths import REPO, load_script
 
 SCRIPT = os.path.join(REPO, "bench", "scaling_model.py")
 
 
 @pytest.fixture(scope="module")
 def sm():
-    spec = importlib.util.spec_from_file_location("scaling_model", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look the module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "scaling_model")
 
 
 def _run(mode, step_s, link_bytes=None, **extra):

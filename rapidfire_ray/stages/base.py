@@ -116,6 +116,17 @@ class RayStageMixin:
             self.rf_guard.wrap(optimizer, self.model, lambda: self.state.global_step + 1, skips_elsewhere)
         return optimizer
 
+    def _clip_grad_norm(self, model):
+        # rapidfire_adamw's compressed stage has only local gradients on each rank: it clips them
+        # by an estimate of the averaged gradient's norm, the same on every rank (in its warm-up,
+        # exactly torch's clip of the averaged gradients); optim/rapidfire_adamw.py.
+        from ..optim import RapidfireAdamW
+
+        optimizer = getattr(self.rf_comm, "optimizer", None)
+        if isinstance(optimizer, RapidfireAdamW):
+            return optimizer.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.rf_crash_step is not None and self.state.global_step + 1 == self.rf_crash_step:
             raise InjectedCrash(f"injected crash at step {self.rf_crash_step} ({CRASH})")

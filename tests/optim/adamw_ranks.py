@@ -289,6 +289,35 @@ def ddp_training(rank: int, world: int, steps: int, freeze_step: int, lr: float)
             "1bit": _train(rank, "1bit", steps, freeze_step, lr, probe=True)}
 
 
+def clip_with_ddp(rank: int, world: int, steps: int, freeze_step: int, max_norm: float) -> list[dict]:
+    """RapidfireAdamW.clip_grad_norm_ under DDP with `local_gradient_hook`: per step, this rank's
+    local gradient (computed apart, without DDP), what DDP left in .grad, the norm clip returned,
+    the gradients after the clip and the norm ratio before and after."""
+    x, y = _regression_data(rank)
+    module = _regression_model()
+    ddp = nn.parallel.DistributedDataParallel(module)
+    opt = RapidfireAdamW(ddp.named_parameters(), lr=1e-2, weight_decay=0.01, freeze_step=freeze_step,
+                         chunk_size=64, stats=CommStats())
+    ddp.register_comm_hook(opt, local_gradient_hook)
+    out = []
+    for step in range(steps):
+        idx = torch.arange(step * 32, step * 32 + 32) % x.shape[0]
+        xb, yb = x[idx], y[idx]
+        opt.zero_grad(set_to_none=True)
+        local = torch.autograd.grad(((module(xb) - yb) ** 2).mean(), list(module.parameters()))
+        compressed = opt.in_compressed_stage
+        ((ddp(xb) - yb) ** 2).mean().backward()
+        before = torch.cat([p.grad.reshape(-1) for p in module.parameters()]).clone()
+        ratio_before = opt.grad_norm_ratio
+        norm = opt.clip_grad_norm_(ddp.parameters(), max_norm)
+        after = torch.cat([p.grad.reshape(-1) for p in module.parameters()]).clone()
+        out.append({"compressed": compressed, "local": torch.cat([g.reshape(-1) for g in local]),
+                    "before": before, "after": after, "norm": float(norm), "ratio_before": ratio_before,
+                    "ratio_after": opt.grad_norm_ratio})
+        opt.step()
+    return out
+
+
 def nonfinite_skip(rank: int, world: int) -> dict:
     """Step 3 is compressed (freeze_step 2); rank 1 puts a NaN in `head.weight`'s gradient
     there. Returns what each rank saw before and after that step, and after a clean step 4."""
@@ -321,4 +350,4 @@ def nonfinite_skip(rank: int, world: int) -> dict:
 
 
 SCENARIOS = {f.__name__: f for f in (compressed_vs_simulation, resume_from_rank0_only, ddp_training,
-                                     nonfinite_skip)}
+                                     nonfinite_skip, clip_with_ddp)}

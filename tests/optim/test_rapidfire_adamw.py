@@ -285,6 +285,7 @@ def _simulated_compressed_step(adamw, params, grads, codec, ar_states) -> None:
 
 
 DDP_STEPS, DDP_FREEZE = 100, 20
+CLIP_STEPS, CLIP_FREEZE = 6, 3
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +293,9 @@ def two_ranks(tmp_path_factory) -> dict[str, list]:
     """Every two-process scenario, run once by one pair of gloo processes."""
     return run_ranks({"compressed_vs_simulation": {}, "resume_from_rank0_only": {},
                       "ddp_training": {"steps": DDP_STEPS, "freeze_step": DDP_FREEZE, "lr": 3e-3},
-                      "nonfinite_skip": {}}, tmp_path_factory.mktemp("ranks"))
+                      "nonfinite_skip": {},
+                      "clip_with_ddp": {"steps": CLIP_STEPS, "freeze_step": CLIP_FREEZE, "max_norm": 1e-3}},
+                     tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.mark.timeout(150)
@@ -403,3 +406,59 @@ def test_compressed_stage_bounds_each_element_update():
 
     assert run(1.0).max() <= 0.01 + 1e-7
     assert run(None)[0] > 100 * 0.01  # what the bound prevents
+
+
+@pytest.mark.timeout(150)
+def test_clip_uses_the_averaged_norm_in_warmup_and_a_common_estimate_in_the_compressed_stage(two_ranks):
+    from rapidfire_ray.optim.rapidfire_adamw import NORM_RATIO_BETA
+
+    ranks = two_ranks["clip_with_ddp"]
+    ema, samples = 0.0, 0
+    for step, records in enumerate(zip(*ranks)):
+        mean_local_sq = sum(float(r["local"].square().sum()) for r in records) / len(records)
+        norms = [r["norm"] for r in records]
+        assert norms[0] == pytest.approx(norms[1], rel=1e-6)  # one coefficient on every rank
+        if step < CLIP_FREEZE:
+            for r in records:
+                assert not r["compressed"]
+                # warm-up: DDP averaged; torch's clip_grad_norm_ of the averaged gradients
+                assert r["norm"] == pytest.approx(float(r["before"].norm()), rel=1e-5)
+                coef = min(1.0, 1e-3 / (r["norm"] + 1e-6))
+                assert torch.allclose(r["after"], r["before"] * coef, rtol=1e-5, atol=0)
+            rho = min(norms[0] / mean_local_sq**0.5, 1.0)
+            assert rho < 0.99  # two ranks' gradients differ: the mean is shorter than either
+            ema, samples = NORM_RATIO_BETA * ema + (1 - NORM_RATIO_BETA) * rho * rho, samples + 1
+            expected_ratio = (ema / (1 - NORM_RATIO_BETA**samples)) ** 0.5
+            assert records[0]["ratio_after"] == pytest.approx(expected_ratio, rel=1e-5)
+        else:
+            for r in records:
+                assert r["compressed"]
+                assert torch.allclose(r["before"], r["local"], rtol=1e-5, atol=1e-7)  # DDP left the local gradient
+                assert r["ratio_before"] == r["ratio_after"] == pytest.approx(expected_ratio, rel=1e-5)  # frozen
+                assert r["norm"] == pytest.approx(expected_ratio * mean_local_sq**0.5, rel=1e-5)
+                coef = min(1.0, 1e-3 / (r["norm"] + 1e-6))
+                assert coef < 1.0
+                assert torch.allclose(r["after"], r["before"] * coef, rtol=1e-5, atol=0)
+
+
+def test_clip_in_one_process_is_torch_clip_and_the_ratio_round_trips():
+    model = RankNet()
+    opt = RapidfireAdamW(model.named_parameters(), lr=1e-2, freeze_step=1, chunk_size=16)
+    reference = copy.deepcopy(model)
+    rank_loss(model, 0, 1).backward()
+    rank_loss(reference, 0, 1).backward()
+    norm = opt.clip_grad_norm_(model.parameters(), 0.01)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+    assert torch.equal(norm, expected)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+    opt.step()
+    assert opt.grad_norm_ratio == 1.0  # a world of one: nothing measured, the local norm is the average's
+    opt.zero_grad()
+    rank_loss(model, 0, 2).backward()
+    local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    assert opt.in_compressed_stage and float(opt.clip_grad_norm_(model.parameters(), 0.01)) == pytest.approx(float(local))
+    opt._norm_ratio_sq, opt._norm_ratio_samples = 0.05, 3  # as a warm-up would have left them
+    fresh = RapidfireAdamW(RankNet().named_parameters(), lr=1e-2, freeze_step=1, chunk_size=16)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.grad_norm_ratio == pytest.approx(opt.grad_norm_ratio) != 1.0
