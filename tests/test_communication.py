@@ -40,7 +40,9 @@ def test_rapidfire_adamw_trains_and_resumes(ray_cluster, tmp_path):
     assert s["final_loss"] < s["first_loss"], s["loss_history"]
     steps = [json.loads(line) for line in (tmp_path / "onebit" / "steps.jsonl").read_text().splitlines()]
     ratio = {r["step"]: r["compression_ratio"] for r in steps if r["rank"] == 0}
-    assert ratio[1] == pytest.approx(1.0) and ratio[2] == pytest.approx(1.0)  # warm-up: fp32 gradients
+    # warm-up: fp32 gradients, plus the clip's one float all_reduce (~1e-5 of the bytes here)
+    assert ratio[1] == pytest.approx(1.0, rel=1e-3) and ratio[2] == pytest.approx(1.0, rel=1e-3)
+    assert ratio[1] < 1.0  # the control bytes are counted, not hidden
     assert ratio[3] > 10 and ratio[4] > 10  # then only the 1-bit momentum crosses the wire
     ckpt = tmp_path / "onebit" / "checkpoint-00000004"
     assert sorted(p.name for p in ckpt.glob("comm_state_rank*.pt")) == ["comm_state_rank0.pt", "comm_state_rank1.pt"]

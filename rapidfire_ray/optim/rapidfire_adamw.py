@@ -263,9 +263,8 @@ class RapidfireAdamW(torch.optim.Optimizer):
         params = [p for p in parameters if p.grad is not None]
         grads = [p.grad for p in params]
         group, world = self.world()
-        if not grads:
-            return torch.tensor(0.0)
-        local = torch.nn.utils.get_total_norm(grads, 2.0)
+        # every rank takes part in the all_reduces below, even one without a gradient
+        local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.tensor(0.0)
         if not self.in_compressed_stage:
             if world > 1 and self._local_grad_sq is not None:
                 self._sample_norm_ratio(local, group, world)
