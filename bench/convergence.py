@@ -8,7 +8,7 @@ reports the loss gap along the run, the bytes each worker sent per step, and ste
 Writes bench/results/convergence.json.
 
     python bench/convergence.py [--steps 40] [--model smollm2-135m] [--lr 5e-5] [--freeze-step N]
-        [--heldout 120] [--chunk-size N]
+        [--heldout 120] [--chunk-size N] [--seed 42]
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def run(args, name: str, out: str, **extra) -> dict:
 
     overrides = {"run.name": name, "run.output_dir": out, "model.name": args.model, "data.path": args.train_data,
                  "data.max_length": args.max_length, "train.max_steps": args.steps,
-                 "optimizer.params.lr": args.lr, "checkpoint.every_steps": 0, "scaling.num_workers": 2, **extra}
+                 "optimizer.params.lr": args.lr, "run.seed": args.seed, "checkpoint.every_steps": 0, "scaling.num_workers": 2, **extra}
     s = rapidfire_ray.train(QUICKSTART, overrides=overrides)
     losses = [h["loss"] for h in s["loss_history"]]
     result = {"final_loss": s["final_loss"], "first_loss": s["first_loss"],
@@ -57,6 +57,8 @@ def main() -> None:
                    help="rapidfire_adamw warm-up steps (default: 20%% of --steps, the optimizer's own default)")
     p.add_argument("--chunk-size", type=int, default=None,
                    help="optimizer.params.compression.chunk_size of the 1-bit codec (default: the config's)")
+    p.add_argument("--seed", type=int, default=42,
+                   help="run.seed of both runs (the quickstart's 42): data order, initialisation of new heads")
     p.add_argument("--max-length", type=int, default=256, help="data.max_length (the quickstart's)")
     p.add_argument("--heldout", type=int, default=120,
                    help="last rows of the sample data kept out of training and scored at the end (0: none)")
