@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--adjust_parameters", "--adjust-parameters", default=None, choices=("auto", "off"),
                    help="auto: rules change live knobs (monitor.allowed), each change logged; off: only watch "
                         "(sets monitor.adjust)")
+    t.add_argument("--verbose", action="store_true",
+                   help="also show Ray's, Ray Data's, transformers' and DeepSpeed's own output (or RAPIDFIRE_LOG_LEVEL=DEBUG)")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="override any config key, e.g. train.max_steps=10")
 
     c = sub.add_parser("config", help="print the resolved config as YAML")
@@ -53,13 +55,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, with a subcommand's `key=value` overrides and flags in any order
+    (argparse's intermixed parsing does not reach into subparsers, so the subcommand's own parser
+    does it)."""
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if not argv or argv[0] not in commands.choices:
+        return parser.parse_args(argv)  # usage, --help, or an unknown command: argparse's own message
+    args = commands.choices[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("doctor", "report", "monitor"):
         from importlib import import_module
 
         return import_module(f".{argv[0]}", __package__).main(argv[1:])
-    args = _parser().parse_args(argv)
+    # Overrides and flags in any order: `train --profile P a=1 --resume b=2`.
+    args = _parse(argv)
     try:
         from .config import load_config, to_yaml
 
@@ -79,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config" or args.dry_run:
             print(to_yaml(cfg), end="")
             return 0
+        from .log import set_verbose
+
+        set_verbose(args.verbose)
         from .launcher import run
 
         run(cfg, address=args.address, resume=args.resume)
