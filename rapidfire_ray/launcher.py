@@ -109,6 +109,8 @@ def connect(address: str | None, cfg: DictConfig, extra_cpus: float = 0.0) -> No
     `extra_cpus` (the run's actors: the RL reward pool)."""
     if ray.is_initialized():
         return
+    from . import log
+    log.quiet_libraries()
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         _probe(address)
@@ -127,7 +129,10 @@ def connect(address: str | None, cfg: DictConfig, extra_cpus: float = 0.0) -> No
         need += math.ceil(SHARD_CPUS * (cfg.communication.ps.num_shards or 1))
     # One CPU beyond the workers' share, so Ray Data can still run tasks while they train.
     num_cpus = max(os.cpu_count() or 1, math.ceil(need) + 1)
-    ray.init(num_cpus=num_cpus, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
+    import logging
+    ray.init(num_cpus=num_cpus, runtime_env={"env_vars": {**WORKER_ENV, **log.worker_env()}}, log_to_driver=True,
+             logging_level=logging.INFO if log.verbose() else logging.WARNING)
+    log.filter_worker_output()
     say(f"started an embedded local Ray cluster ({num_cpus} CPUs)")
 
 
@@ -195,6 +200,8 @@ def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_
                                              **({DATA_DELAY_ENV: os.environ[DATA_DELAY_ENV]}
                                                 if os.environ.get(DATA_DELAY_ENV) else {}),
                                              "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker),
+                                             **__import__("rapidfire_ray.log").log.worker_env(),
+                                             **({"DS_ACCELERATOR": "cpu"} if not cfg.scaling.use_gpu else {}),
                                              **(extra_env or {})}},
         ),
         datasets={TRAIN: ds, **(more_datasets or {})},

@@ -9,8 +9,10 @@ arrives in full through Ray Train's exception.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import sys
 
 LEVEL_ENV = "RAPIDFIRE_LOG_LEVEL"
@@ -28,7 +30,6 @@ QUIET_ENV = {
     "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     "TQDM_DISABLE": "1",  # transformers' "Loading weights" / "Writing model shards" bars
     "DS_LOG_LEVEL": "warning",
-    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 
@@ -41,8 +42,20 @@ class _Format(logging.Formatter):
         return f"[rapidfire] {msg}"
 
 
+class _Stdout(logging.StreamHandler):
+    """Writes to whatever sys.stdout is now (secrets.redact_std_streams replaces it, so do tests)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def _handler() -> logging.Handler:
-    h = logging.StreamHandler(sys.stdout)
+    h = _Stdout()
     h.setFormatter(_Format())
     h.set_name("rapidfire")
     return h
@@ -97,18 +110,74 @@ def quiet_libraries() -> None:
     for name in CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        import ray.data
+        import ray.data  # noqa: F401 - configures the "ray.data" logger; its console handler is tamed below
 
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False
-        ctx.enable_operator_progress_bars = False
-        ctx.print_on_execution_start = False
-    except Exception:  # noqa: BLE001 - an older Ray without these switches: its lines stay
+        for h in logging.getLogger("ray.data").handlers:
+            if h.get_name() == "console":  # the ray-data.log file handler keeps everything
+                h.setLevel(logging.WARNING)
+                if _hide_notices not in h.filters:
+                    h.addFilter(_hide_notices)
+    except Exception:  # noqa: BLE001 - an older Ray whose logging differs: its lines stay
         pass
+    # The notice that an embedded cluster uses token auth, Ray's default (its "disabled" warning stays).
+    token_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if _hide_notices not in token_log.filters:
+        token_log.addFilter(_hide_notices)
+    # Ray Train's v2 modules log by file path (getLogger(__file__)), outside the "ray" tree.
+    for name in list(logging.Logger.manager.loggerDict):
+        if f"{os.sep}ray{os.sep}" in name:
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         import transformers
 
-        transformers.logging.set_verbosity_error()
+        transformers.logging.set_verbosity_warning()
         transformers.logging.disable_progress_bar()
     except Exception:  # noqa: BLE001
         pass
+
+
+def _hide_notices(record: logging.LogRecord) -> bool:
+    # Ray Data's notice that its progress bars are off; Ray's that a new local cluster uses tokens.
+    return not record.getMessage().startswith(("Progress bars", "Token authentication is enabled"))
+
+
+# What a quiet run lets through from its worker processes' output (Ray forwards their stdout and
+# stderr line by line): our own lines, errors and tracebacks, and warnings.
+_KEEP = re.compile(r"\[rapidfire\]|Traceback|Error|Exception|^\s+(File |raise |\^)|warning", re.IGNORECASE)
+# Chatter that matches _KEEP's words all the same.
+_DROP = re.compile(r"^\[[\d\- :,]+ [IE] \d+ \d+\] \w+\.cc:\d+: (Actor with class name: '\w+' .* has constructor "
+                   r"arguments in the object store)")
+
+
+def keep_worker_line(line: str) -> bool:
+    """Whether a quiet run shows this line of a worker's output."""
+    return bool(_KEEP.search(line)) and not _DROP.search(line)
+
+
+def filter_worker_output() -> None:
+    """In this (driver) process, show only `keep_worker_line` lines of the workers' forwarded
+    output, unless verbose. Call after `ray.init`; a no-op where Ray forwards nothing."""
+    if verbose():
+        return
+    try:
+        from ray._private import worker as ray_worker
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:  # Ray moved its internals: everything is shown
+        return
+    names = [name for name, _ in dispatcher.handlers]
+    if "ray_print_logs" not in names:
+        return
+    dispatcher.remove_handler("ray_print_logs")
+    ignore_prefix = ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker)
+    show = functools.partial(ray_worker.print_to_stdstream, ignore_prefix=ignore_prefix)
+
+    def filtered(data: dict) -> None:
+        lines, in_traceback = [], False
+        for line in data.get("lines", []):
+            in_traceback = in_traceback or line.lstrip().startswith("Traceback")
+            if in_traceback or keep_worker_line(line):  # a traceback is shown whole
+                lines.append(line)
+        if lines:
+            show({**data, "lines": lines})
+
+    dispatcher.add_handler("ray_print_logs", filtered)
