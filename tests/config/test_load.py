@@ -203,3 +203,27 @@ def test_cli_communication_flag_sets_the_mode(capsys):
     assert main(["train", "--profile", TINY, "--communication", "allreduce_compressed", "--dry-run",
                  "optimizer.params.compression.grad=1bit"]) == 0
     assert "mode: allreduce_compressed" in capsys.readouterr().out
+
+
+def test_from_plain_rebuilds_the_typed_read_only_config_a_worker_gets():
+    import glob
+    import os
+
+    from omegaconf.errors import ReadonlyConfigError
+
+    from paths import REPO
+    from rapidfire_ray.config import from_plain, worker_range
+
+    for path in sorted(glob.glob(os.path.join(REPO, "jobs", "configs", "*.yaml"))):
+        cfg = load_config(path)
+        again = from_plain(OmegaConf.to_container(cfg, resolve=True))
+        assert again == cfg and OmegaConf.get_type(again.train).__name__ == "TrainSection", path
+    elastic = load_config(None, ["scaling.num_workers=[1,4]"])
+    again = from_plain(OmegaConf.to_container(elastic, resolve=True))
+    assert worker_range(again) == (1, 4) and again.optimizer.params.lr == pytest.approx(2e-5)
+    with pytest.raises(ReadonlyConfigError):
+        again.train.max_steps = 3
+    # The rules are not run again (the driver validated), but types still are, in one line.
+    assert from_plain({"train": {"stage": "rl"}}).data.format == "prompt_completion"
+    with pytest.raises(RapidfireError, match="plain config: train.max_steps: 'x' is not a valid int"):
+        from_plain({"train": {"max_steps": "x"}})
