@@ -41,8 +41,21 @@ class _Format(logging.Formatter):
         return f"[rapidfire] {msg}"
 
 
+class _Stdout(logging.StreamHandler):
+    """Writes to sys.stdout as it is at each line (pytest's capture, contextlib.redirect_stdout,
+    the secret-redacting wrapper), not the one there was at import."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def _handler() -> logging.Handler:
-    h = logging.StreamHandler(sys.stdout)
+    h = _Stdout()
     h.setFormatter(_Format())
     h.set_name("rapidfire")
     return h
