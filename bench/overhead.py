@@ -45,7 +45,7 @@ def our_row_order(args) -> list[int]:
     from rapidfire_ray.data.loader import ShardLoader
     from rapidfire_ray.data.prepare import build_sft_dataset
     from rapidfire_ray.data.sharding import TRAIN, ExactSplitDataConfig
-    from rapidfire_ray.launcher import connect
+    from rapidfire_ray.driver.cluster import connect
 
     cfg = load_config(None, overrides(args, tempfile.gettempdir()))
     connect(None, cfg)

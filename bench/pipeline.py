@@ -53,7 +53,7 @@ def rollout_rate(steps_path: str) -> dict:
 def main() -> None:
     import rapidfire_ray
     from rapidfire_ray.config import load_config
-    from rapidfire_ray.pipeline import stage_config
+    from rapidfire_ray.driver.pipeline import stage_config
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")

@@ -27,6 +27,7 @@ def train(profile: Any = None, *, address: str | None = None, resume: bool = Fal
     (`train={"max_steps": 10}`).
     """
     from .config import load_config
-    from .launcher import run
+    from .driver import run, run_pipeline
 
-    return run(load_config(profile, {**more, **(overrides or {})}), address=address, resume=resume)
+    cfg = load_config(profile, {**more, **(overrides or {})})
+    return (run_pipeline if cfg.train.stage == "pipeline" else run)(cfg, address=address, resume=resume)

@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         from .log import set_verbose
 
         set_verbose(args.verbose)
-        from .launcher import run
+        from .driver import run, run_pipeline
 
-        run(cfg, address=args.address, resume=args.resume)
+        (run_pipeline if cfg.train.stage == "pipeline" else run)(cfg, address=args.address, resume=args.resume)
         return 0
     except RapidfireError as e:
         print(f"rapidfire: error: {e}", file=sys.stderr)

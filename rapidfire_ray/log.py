@@ -92,6 +92,11 @@ def set_verbose(on: bool) -> None:
     quiet_libraries()
 
 
+def ray_logging_level() -> int:
+    """`ray.init(logging_level=...)`: Ray's own INFO lines only when verbose."""
+    return logging.INFO if verbose() else logging.WARNING
+
+
 def worker_env() -> dict[str, str]:
     """Environment for the run's worker processes: quiet by default, the user's level with --verbose."""
     if verbose():

@@ -24,7 +24,7 @@ def ray_cluster(tmp_path_factory):
     """A local Ray cluster shared by every test that needs one (started once, ~10 s)."""
     import ray
 
-    from rapidfire_ray.launcher import WORKER_ENV
+    from rapidfire_ray.driver.cluster import worker_env
 
     # On a loaded machine a raylet can miss Ray's fixed 30 s start-up window: one more try.
     for attempt in range(2):
@@ -32,7 +32,7 @@ def ray_cluster(tmp_path_factory):
             break
         try:
             ray.init(num_cpus=4, log_to_driver=True,
-                     runtime_env={"env_vars": WORKER_ENV},
+                     runtime_env={"env_vars": worker_env()},
                      _temp_dir=str(tmp_path_factory.mktemp("ray")) if sys.platform == "linux" else None)
         except Exception:
             ray.shutdown()

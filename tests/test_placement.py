@@ -21,7 +21,7 @@ TINY = os.path.join(REPO, "jobs", "configs", "tiny.yaml")
 def test_wait_then_one_line_timeout_for_a_resource_no_node_has(ray_cluster, tmp_path, capsys):
     from rapidfire_ray.config import load_config
     from rapidfire_ray.errors import RapidfireError
-    from rapidfire_ray.launcher import run
+    from rapidfire_ray.driver import run
 
     cfg = load_config(TINY, {"run.output_dir": str(tmp_path), "scaling.resources_per_worker": {"a100_80g": 1},
                              "scaling.placement_timeout_s": 7, "train.max_steps": 1})
@@ -51,7 +51,7 @@ def test_placement_waits_visibly_until_a_node_joins(ray_cluster, capsys):
     """The wait returns once the cluster can hold the group (here: a resource that frees up)."""
     import ray
 
-    from rapidfire_ray.placement import wait_for_workers
+    from rapidfire_ray.driver.cluster import wait_for_workers
 
     @ray.remote(num_cpus=3)
     class Hog:

@@ -137,7 +137,7 @@ def _steps(run_dir):
 @pytest.mark.slow
 def test_a_truncated_checkpoint_is_detected_and_the_previous_one_used(ray_cluster, tmp_path, capsys):
     from rapidfire_ray.config import load_config
-    from rapidfire_ray.launcher import run
+    from rapidfire_ray.driver import run
 
     base = {"run.output_dir": str(tmp_path), "checkpoint.every_steps": 2, "checkpoint.keep": 3}
     first = run(load_config(TINY, {**base, "train.max_steps": 4}))
@@ -191,7 +191,7 @@ def test_a_killed_worker_process_is_replaced_and_the_run_finishes(ray_cluster, t
     from rapidfire_ray.checkpoints import MANIFEST_PREFIX
     from rapidfire_ray.config import load_config
     from rapidfire_ray.data.loader import DATA_DELAY_ENV
-    from rapidfire_ray.launcher import run
+    from rapidfire_ray.driver import run
 
     # Each batch waits 0.25 s at the source: the 24 steps after checkpoint 8 take >= 6 s, time
     # enough to kill a worker mid-run however fast the machine trains the tiny model.

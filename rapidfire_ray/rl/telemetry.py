@@ -40,7 +40,7 @@ class RLStepTimer(StepTimer):
 
 def step_record(*, rank: int, step: int, phases: dict, completions: int, tokens: int, rl: dict,
                 pool_counts: dict) -> dict:
-    """One rank's record of one step, in the shape `results.summarise` reads plus an `rl` part."""
+    """One rank's record of one step, in the shape `driver.outputs.summarise` reads plus an `rl` part."""
     return {"rank": rank, "step": step, "time": time.time(), "phases": phases, "samples": completions,
             "tokens": tokens, "padded_tokens": tokens, "peak_memory_bytes": peak_memory_bytes(), "rl": rl,
             **pool_counts}

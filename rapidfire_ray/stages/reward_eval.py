@@ -60,7 +60,7 @@ def train_metrics(logs: list[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# the driver's side (launcher.py)
+# the driver's side (driver/stages.py)
 
 
 def held_out_dataset(cfg, num_cpus: int):

@@ -171,7 +171,7 @@ def start_control(run: str, board, settings: Settings, knobs: dict, **kw):
     """The run's control actor, named for `rapidfire monitor`. A live actor of that name means the
     run is running already: RapidfireError."""
     from ..errors import RapidfireError
-    from ..placement import on_driver_node
+    from ..driver.cluster import on_driver_node
 
     name = control_name(run)
     job = ray.get_runtime_context().get_job_id()

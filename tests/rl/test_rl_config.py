@@ -87,7 +87,7 @@ def test_reward_model_checks(tmp_path, tiny_reward_model):
 
 
 def test_missing_reward_model_required_or_optional(tmp_path):
-    from rapidfire_ray.rl.driver import resolve_reward_model
+    from rapidfire_ray.rl.spec import resolve_reward_model
 
     missing = str(tmp_path / "runs" / "reward" / "model")
     with pytest.raises(RapidfireError, match=r"rl.reward.model: '.*' does not exist; train a reward model first"):

@@ -67,7 +67,7 @@ def test_grpo_with_reward_actor_that_dies_mid_run(ray_cluster, tmp_path, prompts
     the pool scores that batch again; the run completes with every rollout scored."""
     import ray
 
-    from rapidfire_ray.launcher import run
+    from rapidfire_ray.driver import run
     from rapidfire_ray.rl.reward_pool import actor_name
 
     cfg = _config(tmp_path, prompts, tiny_reward_model, "grpo", **{"rl.eval_path": prompts, "rl.eval_max_prompts": 2})
@@ -99,7 +99,7 @@ def test_grpo_with_reward_actor_that_dies_mid_run(ray_cluster, tmp_path, prompts
 
 
 def test_rloo_with_reward_actor(ray_cluster, tmp_path, prompts, tiny_reward_model):
-    from rapidfire_ray.launcher import run
+    from rapidfire_ray.driver import run
 
     summary = run(_config(tmp_path, prompts, tiny_reward_model, "rloo", **{"rl.reward.weights": {"model": 0.5}}))
     _check_run(summary, tmp_path, "rloo")
@@ -107,7 +107,7 @@ def test_rloo_with_reward_actor(ray_cluster, tmp_path, prompts, tiny_reward_mode
 
 
 def test_ppo_with_reward_actor_and_value_model_from_it(ray_cluster, tmp_path, prompts, tiny_reward_model):
-    from rapidfire_ray.launcher import run
+    from rapidfire_ray.driver import run
 
     summary = run(_config(tmp_path, prompts, tiny_reward_model, "ppo", **{"rl.ppo.epochs": 2,
                                                                           "rl.ppo.minibatch_size": 2}))

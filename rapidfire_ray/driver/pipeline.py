@@ -1,27 +1,6 @@
-"""`train.stage: pipeline`: SFT, then the reward model, then RL, in one job.
-
-Each stage is an ordinary run of its own (`launcher.run`), with the pipeline's config as its
-base, `train.stage` set, the stage's own keys from `pipeline.<stage>` merged on top, and its
-folder under the pipeline's: `<run.output_dir>/<run.name>/<stage>/` (checkpoints, `model/`,
-`run_summary.json`, `steps.jsonl`). A stage starts from the previous stage's output unless its
-keys say otherwise:
-
-- reward: `model.name` = the SFT model (the reward model is the SFT model under a one-output
-  head, as in InstructGPT);
-- rl: `model.name` = the SFT model (the policy), `rl.reward.model` = the reward model.
-
-Resuming (`--resume`): a stage whose `run_summary.json` exists is done and skipped; the first
-stage that is not done continues from its latest checkpoint when it has one (SFT, reward), or
-starts again (RL keeps no mid-run checkpoints: the interrupted attempt's folder is kept beside
-it as `rl.interrupted-<time>`, never deleted). Without `--resume`, a pipeline folder with any
-stage output in it is refused, as for a single run.
-
-Every stage's config is built and validated before the first stage starts, so a bad key in the
-RL stage fails in seconds, not after SFT. The pipeline writes `pipeline_summary.json` in its
-folder: each stage's key numbers and summary path, and the comparison of the SFT model with the
-RL model on the held-out prompts (task score and mean reward, from the RL stage's evaluation
-before and after training, when `rl.eval_path` is set).
-"""
+"""`train.stage: pipeline`: SFT, then the reward model, then RL, in one job; each stage an
+ordinary `driver.run` in `<run.output_dir>/<run.name>/<stage>/`, starting from the previous
+stage's model. How stages chain, resume and are summarised: README, "Pipeline"."""
 from __future__ import annotations
 
 import os
@@ -29,17 +8,16 @@ import time
 
 from omegaconf import DictConfig, OmegaConf
 
-from .atomic import atomic_write_json
-from .config import load_config
-from .errors import RapidfireError
+from ..atomic import atomic_write_json
+from ..config import load_config, worker_range
+from ..errors import RapidfireError
+from ..log import say
+from .cluster import connect
+from .run import run
 
 STAGES = ("sft", "reward", "rl")
 SUMMARY = "run_summary.json"
 PIPELINE_SUMMARY = "pipeline_summary.json"
-
-
-def say(msg: str) -> None:
-    print(f"[rapidfire] {msg}", flush=True)
 
 
 def pipeline_dir(cfg: DictConfig) -> str:
@@ -100,9 +78,6 @@ def _has_checkpoint(stage_dir: str) -> bool:
 
 
 def run_pipeline(cfg: DictConfig, *, address: str | None = None, resume: bool = False) -> dict:
-    from .config import worker_range
-    from .launcher import connect, run  # the single-stage driver
-
     stages = list(cfg.pipeline.stages)
     if not stages or any(s not in STAGES for s in stages) or len(set(stages)) != len(stages):
         raise RapidfireError(f"pipeline.stages: {stages} is not an ordered selection of {list(STAGES)} without "

@@ -1,20 +1,31 @@
-"""A run's outputs: the final model in Hugging Face format and `run_summary.json`.
-
-Everything is written under a temporary name and renamed into place, so a crash never leaves
-a half-written summary or model, and an earlier complete one stays until the new one is whole.
-"""
+"""A run's outputs: the final model in Hugging Face format, `run_summary.json` (and the summary
+sections every stage shares), `steps.jsonl`. Written under a temporary name and renamed into
+place, so a crash never leaves a half-written file and an earlier complete one stays."""
 from __future__ import annotations
 
 import os
 import shutil
 from collections import Counter
 
-from .atomic import publish_dir
-from .telemetry.timing import PHASES
+from omegaconf import DictConfig
+
+from ..atomic import atomic_write_json, atomic_write_jsonl, publish_dir
+from ..telemetry.timing import PHASES
 
 # Training-state files in a transformers checkpoint that are not part of the model.
 STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin",
                "shard_plan.json")
+
+
+def run_dir_of(cfg: DictConfig) -> str:
+    return os.path.join(os.path.abspath(cfg.run.output_dir), cfg.run.name)
+
+
+def write_outputs(run_dir: str, summary: dict, steps: list[dict]) -> str:
+    """`steps.jsonl` (every rank's record of every step: phase seconds, samples, tokens) and
+    `run_summary.json`; returns the summary's path."""
+    atomic_write_jsonl(os.path.join(run_dir, "steps.jsonl"), sorted(steps, key=lambda r: (r["step"], r["rank"])))
+    return atomic_write_json(os.path.join(run_dir, "run_summary.json"), summary)
 
 
 def _not_model(names: list[str]) -> list[str]:
@@ -116,7 +127,7 @@ def parameter_server_summary(shards: list[dict], clients: list[dict | None], ste
     applied (and by kind: "grad" AdamW steps, "update" rapidfire_adamw updates), duplicates,
     updates lost to shard restarts), updates per second per shard, the most
     workers queued for admission at once, and the staleness histogram over every applied update."""
-    from .comm.stats import _percentile
+    from ..comm.stats import _percentile
 
     counted = [r for r in steps if r.get("ps_push_s") is not None]
     push = sorted(r["ps_push_s"] for r in counted)
