@@ -586,7 +586,7 @@ def codec_params(keep_default: bool) -> dict[str, int]:
     per-layer rules (keep_fp16 patterns, min_numel 4096), or none (pure 1bit)."""
     import torch
 
-    from rapidfire_ray.comm.policy import CompressionPolicy
+    from rapidfire_ray.exchange.policy import CompressionPolicy
     from rapidfire_ray.models import load_model
 
     policy = CompressionPolicy("1bit") if keep_default else CompressionPolicy("1bit", keep_fp16=[], min_numel=0)

@@ -18,7 +18,6 @@ import ray.train.torch
 import torch
 
 from . import elastic
-from .comm.training import TrainerComm
 from .config import is_elastic
 from .data.backoff import OOMBackoff
 from .data.loader import DynamicBatches, ShardLoader
@@ -27,6 +26,7 @@ from .checkpoints import usable_checkpoint
 from .secrets import redact_std_streams
 from .preemption import PreemptionCheck
 from .errors import RapidfireError
+from .exchange import GradientExchange, build_exchange
 from .faults import crash_step, slowdown_for_rank
 from .memory import free_memory_bytes, memory_in_use_bytes
 from .memory.estimate import MemoryModel
@@ -39,7 +39,7 @@ from .stages.sft import build_sft_trainer, sft_args
 from .telemetry.callback import RayRunCallback
 from .telemetry.control import KnobClient
 from .telemetry.metrics import WorkerMetrics
-from .telemetry.rules import CODEC_KNOB, codec_is_live
+from .telemetry.rules import CODEC_KNOB
 from .telemetry.timing import StepTimer
 
 
@@ -114,17 +114,18 @@ def train_loop_per_worker(config: dict) -> None:
     timer = StepTimer()
     backoff = OOMBackoff()
     backoff.ceiling = cfg["memory"].get("max_forward_tokens")
-    comm = TrainerComm(cfg, rank=rank, total_steps=args.max_steps if elastic_run and args.max_steps > 0
-                       else _total_steps(cfg, len(loader)), timer=timer, shards=config.get("ps_shards"))
-    metrics, knobs = _live_telemetry(cfg, config.get("control"), rank, train_loader, backoff, comm)
+    exchange = build_exchange(cfg["communication"], cfg["optimizer"], rank=rank, timer=timer,
+                              total_steps=args.max_steps if elastic_run and args.max_steps > 0
+                              else _total_steps(cfg, len(loader)), shards=config.get("ps_shards"),
+                              num_workers=cfg["scaling"]["num_workers"])
+    metrics, knobs = _live_telemetry(cfg, config.get("control"), rank, train_loader, backoff, exchange)
     callback = RayRunCallback(board=config["board"], timer=timer, loader=train_loader, rank=rank,
                               stamp={"world": world, "attempt": attempt},
                               every_steps=cfg["checkpoint"]["every_steps"], shard_plan=plan.to_json(),
-                              backoff=backoff, comm=comm, memory=memory, metrics=metrics, knobs=knobs,
+                              backoff=backoff, exchange=exchange, memory=memory, metrics=metrics, knobs=knobs,
                               memory_limit_bytes=baseline_bytes + free_bytes,
                               preemption=PreemptionCheck(config["board"], rank)
-                              if cfg["checkpoint"]["on_preemption"]
-                              and cfg["communication"]["mode"] != "parameter_server" else None)
+                              if cfg["checkpoint"]["on_preemption"] and exchange.has_process_group else None)
     callbacks = [callback]
     if elastic_run and cfg["scaling"]["elastic"]["batch"] == "scale_lr":
         callbacks.append(elastic.ScaledLR(cfg["optimizer"]["params"]["lr"]))
@@ -132,7 +133,7 @@ def train_loop_per_worker(config: dict) -> None:
     trainer.rf_timer = timer
     trainer.rf_defragment = memory.options.defragment
     trainer.rf_backoff = backoff
-    trainer.rf_comm = comm
+    trainer.rf_exchange = exchange
     trainer.rf_guard = NanGuard.for_run(cfg, model, tokenizer.pad_token_id, rank)
     trainer.rf_slowdown = slowdown_for_rank(rank)
     trainer.rf_crash_step = crash_step(cfg["train"]["stage"], rank)
@@ -145,9 +146,9 @@ def train_loop_per_worker(config: dict) -> None:
                 if not elastic_run:  # a fixed-size run skips what it trained of the same shard
                     loader.skip_next(_batches_done_in_epoch(ckpt_dir, len(loader),
                                                             cfg["train"]["gradient_accumulation_steps"]))
-                comm.load(ckpt_dir)
+                exchange.load(ckpt_dir)
                 trainer.train(resume_from_checkpoint=ckpt_dir)
-        ps_report = comm.finish()
+        ps_report = exchange.finish()
         if ps_report is not None:
             ray.get(config["board"].put.remote(f"ps_client/{rank}", {
                 **ps_report, "torch_process_group": torch.distributed.is_initialized()}))
@@ -163,7 +164,8 @@ def train_loop_per_worker(config: dict) -> None:
         shutil.rmtree(local_dir, ignore_errors=True)
 
 
-def _live_telemetry(cfg: dict, control, rank: int, loader: ShardLoader, backoff: OOMBackoff, comm: TrainerComm):
+def _live_telemetry(cfg: dict, control, rank: int, loader: ShardLoader, backoff: OOMBackoff,
+                    exchange: GradientExchange):
     """This worker's metrics on Ray's endpoint, and its side of the run's live knobs (`rapidfire monitor`)."""
     every = cfg["train"]["log_every_steps"]
     metrics = WorkerMetrics(cfg["run"]["name"], rank, every, threads=cfg["scaling"]["cpus_per_worker"])
@@ -175,9 +177,9 @@ def _live_telemetry(cfg: dict, control, rank: int, loader: ShardLoader, backoff:
 
     appliers = {"data.prefetch_depth": loader.set_prefetch_depth, "memory.max_forward_tokens": set_max_forward_tokens}
     initial = {"data.prefetch_depth": loader.prefetch_depth, "memory.max_forward_tokens": backoff.ceiling}
-    if codec_is_live(comm.mode, comm.compression["grad"]):
-        appliers[CODEC_KNOB] = comm.set_codec
-        initial[CODEC_KNOB] = comm.compression["grad"]
+    if exchange.live_codec() is not None:
+        appliers[CODEC_KNOB] = exchange.set_codec
+        initial[CODEC_KNOB] = exchange.live_codec()
     knobs = KnobClient(control, rank, every, appliers, initial=initial, on_apply=metrics.knobs)
     metrics.knobs(knobs.values)
     return metrics, knobs

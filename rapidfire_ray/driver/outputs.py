@@ -127,7 +127,7 @@ def parameter_server_summary(shards: list[dict], clients: list[dict | None], ste
     applied (and by kind: "grad" AdamW steps, "update" rapidfire_adamw updates), duplicates,
     updates lost to shard restarts), updates per second per shard, the most
     workers queued for admission at once, and the staleness histogram over every applied update."""
-    from ..comm.stats import _percentile
+    from ..exchange.stats import _percentile
 
     counted = [r for r in steps if r.get("ps_push_s") is not None]
     push = sorted(r["ps_push_s"] for r in counted)

@@ -110,8 +110,8 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..comm.allreduce import AllreduceState, compressed_allreduce, layout
-from ..comm.stats import CommStats, fp32_allreduce_bytes
+from ..exchange.allreduce import AllreduceState, compressed_allreduce, layout
+from ..exchange.stats import CommStats, fp32_allreduce_bytes
 from ..compression import Codec, get_codec
 
 STATE_KEY = "rapidfire_adamw"

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..comm.stats import CommStats, _percentile
+from ..exchange.stats import CommStats, _percentile
 from ..compression import ErrorFeedback, NonFiniteGradient, get_codec
 
 STATE_FORMAT = "rapidfire_ray.ps.client/1"

@@ -30,7 +30,7 @@ from ..errors import RapidfireError
 from ..models import load_model
 from ..checkpoints import refresh_manifest_entries
 from .shard import launch_shards, snapshot_path
-from .training import codec_options, shard_state_files
+from ..exchange.parameter_server import codec_options, shard_state_files
 
 
 SHARD_CPUS = 0.25  # reserved per shard actor: it decodes, steps AdamW and encodes as updates arrive

@@ -63,7 +63,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..comm.stats import _percentile
+from ..exchange.stats import _percentile
 from ..compression import Encoded, get_codec
 from ..optim import frozen_denom
 

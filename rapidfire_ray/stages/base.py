@@ -65,13 +65,13 @@ class _ForwardOutOfMemory(Exception):
 
 class RayStageMixin:
     """Mix into a TRL trainer class (before it in the bases). Set `rf_loader` and `rf_timer`
-    (and optionally `rf_backoff`, `rf_comm`) before `train()`."""
+    (and optionally `rf_backoff`, `rf_exchange`, `rf_guard`) before `train()`."""
 
     rf_loader = None
     rf_timer: StepTimer | None = None
     rf_backoff: OOMBackoff | None = None
-    rf_comm = None  # comm.training.TrainerComm: gradient exchange, optimizer, accounting
-    rf_guard = None  # stages.guard.NanGuard: skip non-finite steps, stop with a diagnosis
+    rf_exchange = None  # exchange.GradientExchange: gradient exchange, optimizer, non-finite steps
+    rf_guard = None  # stages.guard.NanGuard: count skipped steps, stop with a diagnosis
     rf_defragment = False  # memory level2+: on OOM free cached blocks and retry once before splitting
     rf_defrag_retries = 0
     rf_rows_per_sample = 1  # batch rows that must stay together when a batch is split (a reward pair: 2)
@@ -94,38 +94,25 @@ class RayStageMixin:
                 raise
 
     def create_optimizer(self, model=None):
-        if self.optimizer is None and self.rf_comm is not None:
+        exchange = self.rf_exchange
+        if self.optimizer is None and exchange is not None:
             opt_model = self.model if model is None else model
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
             groups = [{"params": [p for n, p in named if (n in decay) == with_decay],
                        "param_names": [n for n, _ in named if (n in decay) == with_decay],
                        "weight_decay": self.args.weight_decay if with_decay else 0.0} for with_decay in (True, False)]
-            self.optimizer = self.rf_comm.build_optimizer([g for g in groups if g["params"]], self.args)
+            self.optimizer = exchange.build_optimizer([g for g in groups if g["params"]], self.args)
         optimizer = super().create_optimizer(model)
-        if self.rf_comm is not None:
-            self.rf_comm.guard(optimizer)
-        if self.rf_guard is not None:
-            comm = self.rf_comm
-
-            def skips_elsewhere() -> int:
-                # The compressed hook counts its skips on TrainerComm; rapidfire_adamw and the
-                # parameter server count theirs on the optimizer during the step.
-                return (comm.skipped_steps + getattr(comm.optimizer, "skipped_steps", 0)) if comm is not None else 0
-
-            self.rf_guard.wrap(optimizer, self.model, lambda: self.state.global_step + 1, skips_elsewhere)
+        if exchange is not None:
+            exchange.guard(optimizer, self.model)  # skips a non-finite step on every rank alike
+            if self.rf_guard is not None:
+                self.rf_guard.wrap(optimizer, lambda: self.state.global_step + 1, exchange)
         return optimizer
 
     def _clip_grad_norm(self, model):
-        # rapidfire_adamw's compressed stage has only local gradients on each rank: it clips them
-        # by an estimate of the averaged gradient's norm, the same on every rank (in its warm-up,
-        # exactly torch's clip of the averaged gradients); optim/rapidfire_adamw.py.
-        from ..optim import RapidfireAdamW
-
-        optimizer = getattr(self.rf_comm, "optimizer", None)
-        if isinstance(optimizer, RapidfireAdamW):
-            return optimizer.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
-        return super()._clip_grad_norm(model)
+        norm = self.rf_exchange.clip_grad_norm(model, self.args.max_grad_norm) if self.rf_exchange is not None else None
+        return norm if norm is not None else super()._clip_grad_norm(model)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.rf_crash_step is not None and self.state.global_step + 1 == self.rf_crash_step:
@@ -133,8 +120,8 @@ class RayStageMixin:
         if self.rf_guard is not None:
             self.rf_guard.see_batch(inputs)
         if not self._rf_hooked and isinstance(model, DistributedDataParallel):
-            if self.rf_comm is not None:
-                self.rf_comm.register(model)
+            if self.rf_exchange is not None:
+                self.rf_exchange.register(model)
             else:
                 model.register_comm_hook(self.rf_timer, timed_allreduce_hook)
             self._rf_hooked = True

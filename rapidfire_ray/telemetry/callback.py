@@ -32,7 +32,7 @@ class OptimizerClock(TrainerCallback):
 
 class RayRunCallback(OptimizerClock):
     def __init__(self, *, board, timer: StepTimer, loader, rank: int, every_steps: int, shard_plan: dict | None = None,
-                 backoff=None, comm=None, memory=None, metrics=None, knobs=None, memory_limit_bytes=None,
+                 backoff=None, exchange=None, memory=None, metrics=None, knobs=None, memory_limit_bytes=None,
                  preemption=None, stamp: dict | None = None):
         self.board = board
         self.timer = timer
@@ -42,7 +42,7 @@ class RayRunCallback(OptimizerClock):
         self.shard_plan = shard_plan  # saved with every checkpoint: a resume reads the same shards
         self.backoff = backoff  # the step's out-of-memory splits (data.backoff.OOMBackoff)
         self._oom_seen = 0
-        self.comm = comm  # comm.training.TrainerComm: bytes, latency, compression, skipped steps
+        self.exchange = exchange  # exchange.GradientExchange: bytes, latency, compression, skipped steps
         self.memory = memory  # memory.setup.WorkerMemory: saved-activation bytes per step
         self._counts = (0, 0, 0)
         self._last_loss = None
@@ -53,8 +53,8 @@ class RayRunCallback(OptimizerClock):
         self.stamp = stamp or {}  # put on every step record: the worker count and worker group (attempt)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.comm is not None:
-            self.comm.begin()
+        if self.exchange is not None:
+            self.exchange.begin()
         self.timer.take()  # start the first step's clock here, after model and optimizer set-up
         self.loader.wait_s = 0.0
         self._counts = self._loader_counts()
@@ -67,16 +67,11 @@ class RayRunCallback(OptimizerClock):
         loader = self.loader
         return loader.rows_yielded, loader.tokens_yielded, loader.padded_tokens_yielded
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        super().on_optimizer_step(args, state, control, **kwargs)
-        if self.comm is not None:
-            self.comm.after_optimizer_step()
-
     def on_step_end(self, args, state, control, **kwargs):
         self.timer.add("data_wait", self.loader.wait_s)
         self.loader.wait_s = 0.0
         phases = self.timer.take()
-        comm = self.comm.take() if self.comm is not None else {}
+        comm = self.exchange.take_stats() if self.exchange is not None else {}
         where = comm.pop("untimed_comm_phase", None)
         if where is not None:  # exchange time the step timer could not see: move it to communication
             moved = min(comm["comm_seconds"], phases[where])
@@ -105,8 +100,8 @@ class RayRunCallback(OptimizerClock):
             control.should_save = control.should_training_stop = True
         if self.preemption is not None and state.global_step < state.max_steps:
             self.preemption.step_end(state.global_step, control)
-        if control.should_save and self.comm is not None:
-            self.comm.before_save()
+        if control.should_save and self.exchange is not None:
+            self.exchange.before_save()
         return control
 
     def _new_oom_splits(self) -> int:
@@ -135,12 +130,12 @@ class RayRunCallback(OptimizerClock):
             atomic_write_json(os.path.join(path, SHARD_PLAN_FILE), self.shard_plan)
         if hasattr(self.loader, "position") and os.path.isdir(path):  # an elastic run: the rows of this epoch
             write_position(path, self.rank, *self.loader.position())
-        if self.comm is not None and os.path.isdir(path):
-            path = self.comm.save(path)  # this rank's error-feedback state
+        if self.exchange is not None and os.path.isdir(path):
+            path = self.exchange.save(path)  # this rank's error-feedback state
         if os.path.isdir(path):  # last: sizes and sha256 of everything this rank saved, checked at resume
             write_manifest(path, self.rank)
         checkpoint = ray.train.Checkpoint.from_directory(path) if os.path.isdir(path) else None
-        with self.comm.around_report(state.global_step >= state.max_steps) if self.comm is not None \
+        with self.exchange.around_report(state.global_step >= state.max_steps) if self.exchange is not None \
                 else contextlib.nullcontext():
             ray.train.report({"step": state.global_step, "loss": self._last_loss}, checkpoint=checkpoint,
                              checkpoint_dir_name=f"checkpoint-{state.global_step:08d}",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from rapidfire_ray.comm.stats import CommStats
+from rapidfire_ray.exchange.stats import CommStats
 from rapidfire_ray.optim import RapidfireAdamW, local_gradient_hook
 
 # --- spawning ---------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import torch
 from optim.adamw_ranks import SIM, RankNet, param_groups, rank_loss, run_ranks
 from torch import nn
 
-from rapidfire_ray.comm.allreduce import AllreduceState, simulate_compressed_allreduce
-from rapidfire_ray.comm.stats import fp32_allreduce_bytes
+from rapidfire_ray.exchange.allreduce import AllreduceState, simulate_compressed_allreduce
+from rapidfire_ray.exchange.stats import fp32_allreduce_bytes
 from rapidfire_ray.compression import get_codec
 from rapidfire_ray.optim import RapidfireAdamW, default_freeze_step
 

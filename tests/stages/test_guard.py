@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from rapidfire_ray.config import load_config
 from rapidfire_ray.data.loader import collate
 from rapidfire_ray.errors import RapidfireError
+from rapidfire_ray.exchange import build_exchange
 from rapidfire_ray.models import load_model, load_tokenizer
 from rapidfire_ray.stages.guard import NanGuard
 from rapidfire_ray.stages.sft import build_sft_trainer, sft_args
@@ -50,6 +51,7 @@ def train(tmp_path, steps: int, nan_calls: set[int], *, lr: float = 3e-3, max_co
     trainer = build_sft_trainer(sft_args(cfg, str(tmp_path), use_cpu=True), model, tokenizer, batches,
                                 [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}], callbacks=[])
     trainer.rf_timer = StepTimer()
+    trainer.rf_exchange = build_exchange(cfg["communication"], cfg["optimizer"], rank=0, total_steps=steps)
     trainer.rf_guard = NanGuard.for_run(cfg, model, tokenizer.pad_token_id, rank=0)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     return trainer, model, start
@@ -88,7 +90,6 @@ def test_repeated_nan_steps_stop_the_run_with_a_diagnosis(tmp_path):
 
 
 def test_a_rate_of_1e_3_is_flagged_even_when_the_batches_look_fine():
-    guard = NanGuard(max_consecutive=1, on_nonfinite="skip", lr=1e-3, grad_clip=0.0, vocab_size=259, pad_id=256,
-                     checks_gradients=True)
+    guard = NanGuard(max_consecutive=1, lr=1e-3, grad_clip=0.0, vocab_size=259, pad_id=256)
     codes = {f.code for f in guard.findings()}
     assert {"lr_high", "clip_missing"} <= codes

@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from rapidfire_ray.comm import (
+from rapidfire_ray.exchange import (
     CompressionPolicy,
     HookState,
     compressed_allreduce_hook,

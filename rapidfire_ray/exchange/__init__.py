@@ -1,13 +1,12 @@
-"""Compressed gradient communication: the two-phase compressed allreduce of 1-bit Adam, a DDP
-communication hook built on it, the per-parameter codec policy, and byte/latency accounting.
+"""Gradient exchange: one `GradientExchange` per `communication.mode` (ddp, compressed,
+onebit_adam, parameter_server; `build_exchange` chooses), and the primitives they use: the
+two-phase compressed allreduce of 1-bit Adam, a DDP communication hook built on it, the
+per-parameter codec policy, and byte/latency accounting.
 
-    from rapidfire_ray.comm import CompressionPolicy, HookState, compressed_allreduce_hook
+    exchange = build_exchange(cfg["communication"], cfg["optimizer"], rank=rank, total_steps=n)
 
     state = HookState(ddp_model.module.named_parameters(), CompressionPolicy("1bit"))
     ddp_model.register_comm_hook(state, compressed_allreduce_hook)
-
-    # an optimizer that does its own exchange (1-bit Adam's momentum):
-    out = compressed_allreduce(momentum, get_codec("1bit"), slot_state, group, stats)
 """
 from __future__ import annotations
 
@@ -18,6 +17,8 @@ from .allreduce import (
            layout,
            simulate_compressed_allreduce,
 )
+from .base import GradientExchange, NonFiniteStep
+from .factory import build_exchange
 from .hook import HookState, compressed_allreduce_hook
 from .policy import DEFAULT_KEEP_FP16, CompressionPolicy, concentration
 from .stats import CommStats, fp32_allreduce_bytes
@@ -28,7 +29,10 @@ __all__ = [
            "AllreduceState",
            "CommStats",
            "CompressionPolicy",
+           "GradientExchange",
            "HookState",
+           "NonFiniteStep",
+           "build_exchange",
            "compressed_allreduce",
            "compressed_allreduce_hook",
            "concentration",

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from rapidfire_ray.comm import DEFAULT_KEEP_FP16, CompressionPolicy, concentration
+from rapidfire_ray.exchange import DEFAULT_KEEP_FP16, CompressionPolicy, concentration
 
 BIG = torch.empty(4096)
 SMALL = torch.empty(4095)
@@ -113,7 +113,7 @@ def test_auto_picks_2bit_for_concentrated_and_1bit_for_dense(caplog):
     concentrated = torch.zeros(10_000)
     concentrated[:20] = 5.0
     p = torch.empty(10_000)
-    with caplog.at_level(logging.INFO, logger="rapidfire_ray.comm.policy"):
+    with caplog.at_level(logging.INFO, logger="rapidfire_ray.exchange.policy"):
         assert policy.codec_for("dense.weight", p, grad=dense) == "1bit"
         assert policy.codec_for("embed.weight", p, grad=concentrated) == "2bit"
     assert policy.choices == {"dense.weight": "1bit", "embed.weight": "2bit"}

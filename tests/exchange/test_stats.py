@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from rapidfire_ray.comm import CommStats, fp32_allreduce_bytes
+from rapidfire_ray.exchange import CommStats, fp32_allreduce_bytes
 
 
 def test_take_returns_and_resets():

@@ -1,4 +1,4 @@
-"""Fixtures for tests/comm: the multi-process gloo runs, each started once per session."""
+"""Fixtures for tests/exchange: the multi-process gloo runs, each started once per session."""
 from __future__ import annotations
 
 import os

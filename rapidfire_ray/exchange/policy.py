@@ -40,7 +40,7 @@ statistics over ranks (one small allreduce, on the steps where a decision is due
 the same for other callers (an optimizer's own exchange). `codec_for(..., grad=...)` measures
 locally and is meant for single-process use only.
 
-Each decision is logged (logger "rapidfire_ray.comm.policy": INFO when the codec changes, DEBUG
+Each decision is logged (logger "rapidfire_ray.exchange.policy": INFO when the codec changes, DEBUG
 otherwise) and kept in `choices` (name -> codec) and `statistics` (name -> statistic).
 `state_dict()` / `load_state_dict()` carry them (and the step counters) through checkpoints.
 """
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KEEP_FP16 = ("*o_proj*", "*out_proj*", "*c_proj*", "*norm*", "*ln_*", "*.bias")
 GRAD_MODES = ("none", "fp16", "1bit", "2bit", "auto")
-STATE_FORMAT = "rapidfire_ray.comm.policy/1"
+STATE_FORMAT = "rapidfire_ray.comm.policy/1"  # the saved format's name (checkpoints): kept
 #: Share of the entries whose L2 mass the concentration statistic measures.
 TOP_FRACTION = 0.01
 

@@ -54,7 +54,7 @@ from .stats import CommStats, fp32_allreduce_bytes
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = "rapidfire_ray.comm.hook/1"
+STATE_FORMAT = "rapidfire_ray.comm.hook/1"  # the saved format's name (checkpoints): kept
 CODEC_ORDER = tuple(CODECS)  # none, fp16, 1bit, 2bit: the same group order on every rank
 FP16_MAX = torch.finfo(torch.float16).max
 

@@ -10,7 +10,7 @@ import _comm_workers as w
 import pytest
 import torch
 
-from rapidfire_ray.comm import (
+from rapidfire_ray.exchange import (
     ALIGN,
     AllreduceState,
     CommStats,

@@ -1,4 +1,4 @@
-"""Multi-process scenarios for tests/comm: each runs in a gloo group of spawned processes and
+"""Multi-process scenarios for tests/exchange: each runs in a gloo group of spawned processes and
 saves what it saw (tensors, byte counts, state) for the test process to check.
 
 Imported by module name from the spawned children (the tests put this folder on sys.path), so
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from rapidfire_ray.comm import (
+from rapidfire_ray.exchange import (
     AllreduceState,
     CommStats,
     CompressionPolicy,

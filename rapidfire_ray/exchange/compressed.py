@@ -1,0 +1,73 @@
+"""`communication.mode: allreduce_compressed`: `compressed_allreduce_hook` (hook.py) with the
+per-parameter codec policy of `optimizer.params.compression.*`. A NaN/inf gradient zeroes the
+bucket on every rank and names the parameters; the optimizer step is then skipped everywhere.
+The codec is a live knob (`set_codec`, except under `auto`, which chooses per tensor)."""
+from __future__ import annotations
+
+from collections import Counter
+
+from ..log import say
+from ..telemetry.rules import codec_is_live
+from .base import GradientExchange
+from .hook import HookState, compressed_allreduce_hook
+from .policy import CompressionPolicy
+
+
+class CompressedExchange(GradientExchange):
+    def __init__(self, compression: dict, *, rank: int, on_nonfinite: str = "skip", timer=None):
+        super().__init__(rank=rank, on_nonfinite=on_nonfinite, timer=timer)
+        self.compression = dict(compression)
+        self.hook_state: HookState | None = None
+        self._pending_state: dict | None = None
+        self._auto_counts: dict | None = None
+
+    def register(self, ddp_model) -> None:
+        c = self.compression
+        policy = CompressionPolicy(c["grad"], keep_fp16=list(c["keep_fp16"]), min_numel=c["min_numel"],
+                                   chunk_size=c["chunk_size"], auto_interval=c["auto_interval"])
+        self.hook_state = HookState(ddp_model.module.named_parameters(), policy, stats=self.stats, timer=self.timer)
+        if self._pending_state is not None:
+            self.hook_state.load_state_dict(self._pending_state)
+            self._pending_state = None
+        ddp_model.register_comm_hook(self.hook_state, compressed_allreduce_hook)
+
+    def _nonfinite_before_step(self, optimizer, model) -> list[str] | None:
+        # The hook already zeroed the offending buckets on every rank.
+        if self.hook_state is None or not self.hook_state.nonfinite:
+            return None
+        names = sorted(set(self.hook_state.nonfinite))
+        self.hook_state.nonfinite.clear()
+        return names
+
+    def live_codec(self) -> str | None:
+        codec = self.compression["grad"]
+        return codec if codec_is_live("allreduce_compressed", codec) else None
+
+    def set_codec(self, codec: str) -> None:
+        """From the next gradient exchange on, the hook groups the parameters by the new codec
+        (error feedback carries over by parameter name, hook.py). Before the hook exists, the
+        codec it will be built with."""
+        self.compression = {**self.compression, "grad": codec}
+        if self.hook_state is not None:
+            self.hook_state.policy.grad = codec
+
+    def take_stats(self) -> dict:
+        out = super().take_stats()
+        if self.hook_state is not None and self.hook_state.policy.grad == "auto":
+            counts = dict(Counter(self.hook_state.policy.choices.values()))
+            out["auto_codecs"] = counts  # tensors per chosen codec, in steps.jsonl
+            if counts != self._auto_counts and self.rank == 0:
+                say(f"compression.grad auto: tensors per codec {counts}")
+            self._auto_counts = counts
+        return out
+
+    def state_dict(self) -> dict:
+        return {"hook": self.hook_state.state_dict()} if self.hook_state is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "hook" not in state:
+            return
+        if self.hook_state is not None:
+            self.hook_state.load_state_dict(state["hook"])
+        else:
+            self._pending_state = state["hook"]  # applied when the hook is registered (first step)
