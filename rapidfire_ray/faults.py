@@ -13,6 +13,9 @@ resumes at the stage where it stopped).
 from __future__ import annotations
 
 import os
+import time
+
+from transformers import TrainerCallback
 
 from .errors import RapidfireError
 
@@ -63,3 +66,36 @@ def worker_env(environ=os.environ) -> dict[str, str]:
     if CRASH in environ:
         crash_step("", 0, environ)
     return {k: environ[k] for k in ENV_KEYS if k in environ}
+
+
+class Straggler:
+    """An injected slow rank: after each forward+backward it sleeps (factor - 1) times the compute
+    it just did (communication in flight left out)."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    @classmethod
+    def for_rank(cls, rank: int, environ=os.environ) -> Straggler | None:
+        factor = slowdown_for_rank(rank, environ)
+        return cls(factor) if factor > 1.0 else None
+
+    def slow_down(self, start: float, timer) -> None:
+        compute = time.perf_counter() - start - timer.comm_seconds_since(start)
+        time.sleep((self.factor - 1.0) * max(0.0, compute))
+
+
+class CrashAt(TrainerCallback):
+    """Raises `InjectedCrash` when optimizer step `step` starts."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    @classmethod
+    def for_worker(cls, stage: str, rank: int, environ=os.environ) -> CrashAt | None:
+        step = crash_step(stage, rank, environ)
+        return cls(step) if step is not None else None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            raise InjectedCrash(f"injected crash at step {self.step} ({CRASH})")

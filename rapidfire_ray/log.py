@@ -154,6 +154,11 @@ _DROP = re.compile(r"^\[[\d\- :,]+ [IE] \d+ \d+\] \w+\.cc:\d+: (Actor with class
                    r"arguments in the object store)")
 
 
+# Ray Train's background actors. With several Ray instances on one host (a test suite beside a
+# run) the placement-group cleaner's state queries fail with a traceback every few seconds.
+RAY_BACKGROUND_ACTORS = frozenset({"PlacementGroupCleaner"})
+
+
 def keep_worker_line(line: str) -> bool:
     """Whether a quiet run shows this line of a worker's output."""
     return bool(_KEEP.search(line)) and not _DROP.search(line)
@@ -177,6 +182,8 @@ def filter_worker_output() -> None:
     show = functools.partial(ray_worker.print_to_stdstream, ignore_prefix=ignore_prefix)
 
     def filtered(data: dict) -> None:
+        if data.get("actor_name") in RAY_BACKGROUND_ACTORS:
+            return  # their errors are Ray's own bookkeeping; a run's failure arrives through fit()
         lines, in_traceback = [], False
         for line in data.get("lines", []):
             in_traceback = in_traceback or line.lstrip().startswith("Traceback")

@@ -18,13 +18,24 @@ from __future__ import annotations
 import time
 
 import ray.train
+from transformers import TrainerCallback
+
+from .log import say
 
 
-class PreemptionCheck:
+class PreemptionCheck(TrainerCallback):
+    """Asks Ray Train at every step's end; the first notice makes the trainer save (placed
+    before the checkpoint saver among the trainer's callbacks)."""
+
     def __init__(self, board, rank: int):
         self.board = board
         self.rank = rank
         self.saved_at: int | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step < state.max_steps:  # the last step saves anyway
+            self.step_end(state.global_step, control)
+        return control
 
     def step_end(self, step: int, control) -> None:
         if self.saved_at is not None:  # one just-in-time checkpoint per notice is enough
@@ -41,6 +52,6 @@ class PreemptionCheck:
             msg = (f"node(s) {nodes} (ranks {ranks}) are being preempted"
                    + (f", {left:.0f} s left" if left is not None else "")
                    + f": saving a checkpoint after step {step}")
-            print(f"[rapidfire] {msg}", flush=True)
-            self.board.put.remote("preemption", {"step": step, "nodes": sorted(info.preempted_node_to_ranks),
+            say(msg)
+            self.board.note_preemption.remote({"step": step, "nodes": sorted(info.preempted_node_to_ranks),
                                                  "ranks": ranks, "seconds_left": left, "message": msg})

@@ -149,9 +149,9 @@ def test_a_change_is_applied_by_every_worker_after_the_same_step(ray_cluster):
     import ray
 
     from rapidfire_ray.telemetry.control import KnobClient, start_control, stop_control
-    from rapidfire_ray.telemetry.progress import ProgressBoard
+    from rapidfire_ray.telemetry.board import RunBoard
 
-    board = ProgressBoard.remote()
+    board = RunBoard.remote()
     control = start_control("observe-unit", board, Settings(adjust="off"), dict(KNOBS), world_size=2,
                             every_steps=2, interval_s=60)
     try:

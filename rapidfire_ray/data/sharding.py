@@ -37,7 +37,6 @@ from ray.train import DataConfig
 
 TRAIN = "train"
 FULL = "train_full"  # elastic runs: the whole training dataset too, for the rest of an epoch after a resize
-PLAN_KEY = "shard_plan"  # the progress board key the plan is published under
 
 logger = logging.getLogger(__name__)
 
@@ -238,8 +237,8 @@ class ExactSplitDataConfig(DataConfig):
 
     `shard_by_node`: build the plan from the blocks' locations when the workers span several
     nodes. `saved_plan`: a plan (`ShardPlan.to_json()`) from the run being resumed; used when it
-    fits the dataset and world size. `board`: the run's `ProgressBoard` actor; the plan in use is
-    put there under `"shard_plan"` before the shards are handed out (so a worker reads it after
+    fits the dataset and world size. `board`: the run's `RunBoard` actor; the plan in use is
+    published there before the shards are handed out (so a worker reads it after
     `get_dataset_shard` returns), and a plan already there (an earlier worker group of the same
     run) is reused when it fits."""
 
@@ -256,7 +255,7 @@ class ExactSplitDataConfig(DataConfig):
         if self.board is not None:
             import ray
 
-            published = ray.get(self.board.get.remote(PLAN_KEY))
+            published = ray.get(self.board.shard_plan.remote())
             if published is not None:
                 yield "the plan already published for this run", published
 
@@ -300,7 +299,7 @@ class ExactSplitDataConfig(DataConfig):
             if self.board is not None:
                 import ray
 
-                ray.get(self.board.put.remote(PLAN_KEY, plan.to_json()))
+                ray.get(self.board.publish_shard_plan.remote(plan.to_json()))
         return output
 
 

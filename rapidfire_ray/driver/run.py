@@ -12,7 +12,7 @@ from ..config import worker_range
 from ..data.sharding import ExactSplitDataConfig
 from ..errors import RapidfireError
 from ..log import say
-from ..telemetry.progress import ProgressBoard
+from ..telemetry.board import RunBoard
 from .cluster import connect, fit_workers, on_driver_node
 from .outputs import export_model, run_dir_of, summarise, write_outputs
 from .stages import spec_for
@@ -35,7 +35,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
                              f"{stage.rows_noun}; use fewer workers or {stage.more_rows}")
     stage.build_eval(num_cpus)
 
-    board = ProgressBoard.options(scheduling_strategy=on_driver_node()).remote()
+    board = RunBoard.options(scheduling_strategy=on_driver_node()).remote()
     try:
         try:
             stage.start(board, data)

@@ -200,21 +200,17 @@ class SFTStage(StageSpec):
                 + (", resuming from the latest checkpoint" if self.resume else ""))
 
     def collect(self, board, result, snapshot: dict) -> None:
-        cfg = self.cfg
-
-        def get(key):
-            return ray.get(board.get.remote(key))
-
-        self.facts = {k: get(k) for k in ("memory_model", "memory", "guard", "checkpoint_fallback")}
+        reports = ray.get(board.worker_reports.remote())
+        self.rank0 = next((w for w in reports if w.rank == 0), None)
+        self.held = [w.held_bytes for w in reports if w.held_bytes is not None]
+        self.memory_model = ray.get(board.memory_model.remote())
+        self.checkpoint_fallback = ray.get(board.checkpoint_fallback.remote())
         self.control_info = ray.get(self.control.info.remote())
-        self.held = [h for h in ray.get([board.get.remote(f"held_bytes/{r}") for r in range(worker_range(cfg)[1])])
-                     if h is not None]
-        attempts = get("attempts") or 0
-        self.elastic_starts = [get(f"elastic/{a}") for a in range(attempts)] if is_elastic(cfg) else []
+        self.elastic_starts = ray.get(board.elastic_starts.remote()) if is_elastic(self.cfg) else []
         if self.ps is not None:
             if result.checkpoint is not None:
                 self.ps.finalize(result.checkpoint.path)
-            self.ps_clients = [get(f"ps_client/{r}") for r in range(cfg.scaling.num_workers)]
+            self.ps_clients = [w.exchange for w in reports]
             self.ps_shards = self.ps.stats()
 
     def stop(self) -> None:
@@ -230,16 +226,17 @@ class SFTStage(StageSpec):
 
     def add_sections(self, summary: dict, snapshot: dict, data: StageData, model_dir: str | None) -> None:
         cfg, steps = self.cfg, snapshot["steps"]
-        memory, memory_model = self.facts["memory"], self.facts["memory_model"]
+        memory = self.rank0.memory if self.rank0 is not None else None
+        memory_model = self.memory_model
         summary["communication"] = {"mode": cfg.communication.mode, **(summary["communication"] or {})}
         if self.ps is not None:
             summary["parameter_server"] = parameter_server_summary(self.ps_shards, self.ps_clients, steps)
             say(parameter_server_line(summary["parameter_server"]))
         summary["adjustments"] = adjustments_summary(self.control_info)
-        if self.facts["guard"] is not None:
-            summary["nonfinite_skipped_steps"] = self.facts["guard"]["skipped_steps"]
+        if self.rank0 is not None:
+            summary["nonfinite_skipped_steps"] = self.rank0.skipped_steps
         # Worker failures survived (scaling.max_failures) and what they cost: steps/samples trained twice.
-        summary["recovery"] = recovery_summary(steps, self.facts["checkpoint_fallback"])
+        summary["recovery"] = recovery_summary(steps, self.checkpoint_fallback)
         if recovery_line(summary["recovery"]):
             say(recovery_line(summary["recovery"]))
         if is_elastic(cfg):

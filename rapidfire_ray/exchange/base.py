@@ -1,7 +1,7 @@
 """`GradientExchange`: how a worker's trainer exchanges gradients, one subclass per mode.
 
 The stage mixin (stages/base.py) builds the optimizer through it, lets it guard the optimizer
-step, registers it on the DDP model and asks it to clip; the telemetry callback calls the run's
+step, registers it on the DDP model and asks it to clip; the step recorder calls the run's
 course hooks and `take_stats()` every step. A step with a NaN/inf gradient is skipped on every
 worker in agreement (how depends on the mode) and counted here, or fails the run
 (`communication.on_nonfinite`). Per-rank state is saved as `comm_state_rank<r>.pt`.

@@ -121,8 +121,11 @@ class RLStage(StageSpec):
                 f"{', '.join((['model'] if self.reward_path else []) + list(cfg.rl.reward.functions))}")
 
     def collect(self, board, result, snapshot: dict) -> None:
-        self.facts = {k: ray.get(board.get.remote(k)) for k in ("rl/eval_before", "rl/eval_after")}
-        self.pools = [ray.get(board.get.remote(f"rl/pool/{r}")) for r in range(self.cfg.scaling.num_workers)]
+        reports = {w.rank: w for w in ray.get(board.worker_reports.remote())}
+        rank0 = reports.get(0)
+        self.facts = {"rl/eval_before": rank0.eval_before if rank0 else None,
+                      "rl/eval_after": rank0.eval_after if rank0 else None}
+        self.pools = [reports[r].reward_pool if r in reports else None for r in range(self.cfg.scaling.num_workers)]
         self.actor_stats = actor_stats(self.actors)
 
     def stop(self) -> None:

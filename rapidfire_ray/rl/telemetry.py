@@ -1,6 +1,6 @@
 """Step records of an RL run: the step-time breakdown with rollout and reward apart from the
 update, and the RL numbers of each step (mean reward, KL, losses), pushed to the run's progress
-board like SFT's (`telemetry.callback`).
+board like SFT's (`telemetry.recorder`).
 
 Phases: `rollout` (sampling completions, plus the old/reference log-probabilities and, for PPO,
 values: everything that makes the experience except scoring it), `reward` (the reward pool and
@@ -9,9 +9,9 @@ all-reduce in flight). `generate_s` is the sampling alone, for rollout tokens/s.
 """
 from __future__ import annotations
 
-import time
 
-from ..telemetry.callback import OptimizerClock
+from ..telemetry.records import StepRecord
+from ..telemetry.recorder import OptimizerClock
 from ..telemetry.timing import StepTimer, peak_memory_bytes
 
 RL_PHASES = ("rollout", "reward")
@@ -41,9 +41,8 @@ class RLStepTimer(StepTimer):
 def step_record(*, rank: int, step: int, phases: dict, completions: int, tokens: int, rl: dict,
                 pool_counts: dict) -> dict:
     """One rank's record of one step, in the shape `driver.outputs.summarise` reads plus an `rl` part."""
-    return {"rank": rank, "step": step, "time": time.time(), "phases": phases, "samples": completions,
-            "tokens": tokens, "padded_tokens": tokens, "peak_memory_bytes": peak_memory_bytes(), "rl": rl,
-            **pool_counts}
+    return StepRecord(rank=rank, step=step, phases=phases, samples=completions, tokens=tokens, padded_tokens=tokens,
+                      peak_memory_bytes=peak_memory_bytes(), rl=rl, counters=dict(pool_counts)).to_dict()
 
 
 def publish(board, metrics, record: dict, log: dict) -> None:

@@ -16,6 +16,7 @@ from ..data.sharding import TRAIN
 from ..models import load_model, load_tokenizer
 from ..models.registry import save_pretrained_atomic
 from ..telemetry.metrics import WorkerMetrics
+from ..telemetry.records import WorkerReport
 from .evaluate import evaluate
 from .reward_pool import RewardPool
 from .telemetry import RLStepTimer, TRLStepCallback
@@ -45,9 +46,9 @@ def rl_loop_per_worker(config: dict) -> None:
     timer = RLStepTimer()
     eval_rows = config.get("eval_rows") or []
     try:
+        report = WorkerReport(rank=rank)
         if rank == 0 and eval_rows:
-            ray.get(board.put.remote("rl/eval_before", evaluate(model, tokenizer, eval_rows, pool,
-                                                                  rl["max_new_tokens"])))
+            report.eval_before = evaluate(model, tokenizer, eval_rows, pool, rl["max_new_tokens"])
         if rl["algorithm"] in ("grpo", "rloo"):
             from datasets import Dataset
 
@@ -67,10 +68,10 @@ def rl_loop_per_worker(config: dict) -> None:
                                reward_model=config.get("reward_model"), value_init=config["value_init"],
                                worker_metrics=metrics)
         policy.eval()
-        ray.get(board.put.remote(f"rl/pool/{rank}", dict(pool.total)))
+        report.reward_pool = dict(pool.total)
         if rank == 0 and eval_rows:
-            ray.get(board.put.remote("rl/eval_after", evaluate(policy, tokenizer, eval_rows, pool,
-                                                                 rl["max_new_tokens"])))
+            report.eval_after = evaluate(policy, tokenizer, eval_rows, pool, rl["max_new_tokens"])
+        ray.get(board.report_worker_end.remote(report))
         checkpoint = None
         if rank == 0:
             final = save_pretrained_atomic(policy, tokenizer, f"{scratch}/final")

@@ -1,18 +1,33 @@
-"""What every stage's trainer shares: our dataloader seam, the step-phase timing, and the
-out-of-memory backoff (at memory level2 first free cached blocks and retry once; then split the
-batch, retry, lower the budget)."""
+"""What every stage's trainer shares: the parts a worker hands it (`WorkerParts`), our
+dataloader seam, the step-phase timing, the gradient exchange's seams (hook, optimizer, clip),
+and the out-of-memory backoff (at memory level2 first free cached blocks and retry once; then
+split the batch, retry, lower the budget)."""
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data.backoff import BatchDoesNotFit, OOMBackoff, is_out_of_memory, split_batch
-from ..faults import CRASH, InjectedCrash
 from ..memory.allocator import release_cached
 from ..telemetry.timing import StepTimer, timed_allreduce_hook
+
+
+@dataclass
+class WorkerParts:
+    """What a stage's trainer is built with (`worker/parts.py` makes them from the config)."""
+    loader: Any  # batches in the trainer's order (data.loader.ShardLoader, or an elastic run's loader)
+    timer: StepTimer = field(default_factory=StepTimer)
+    backoff: OOMBackoff = field(default_factory=OOMBackoff)
+    exchange: Any = None  # exchange.GradientExchange (None: DDP's own allreduce, timed)
+    guard: Any = None  # stages.guard.NanGuard: count skipped steps, stop with a diagnosis
+    defragment: bool = False  # memory level2+: on OOM free cached blocks and retry once before splitting
+    straggler: Any = None  # faults.Straggler: an injected slowdown (only when its switch is set)
+    defrag_retries: int = 0  # counted here, reported in the memory summary
 
 
 def trainer_args(config_cls, cfg: dict, output_dir: str, use_cpu: bool, **overrides):
@@ -64,28 +79,23 @@ class _ForwardOutOfMemory(Exception):
 
 
 class RayStageMixin:
-    """Mix into a TRL trainer class (before it in the bases). Set `rf_loader` and `rf_timer`
-    (and optionally `rf_backoff`, `rf_exchange`, `rf_guard`) before `train()`."""
+    """Mix into a TRL trainer class (before it in the bases); built with `parts=WorkerParts(...)`
+    beside the TRL trainer's own arguments."""
 
-    rf_loader = None
-    rf_timer: StepTimer | None = None
-    rf_backoff: OOMBackoff | None = None
-    rf_exchange = None  # exchange.GradientExchange: gradient exchange, optimizer, non-finite steps
-    rf_guard = None  # stages.guard.NanGuard: count skipped steps, stop with a diagnosis
-    rf_defragment = False  # memory level2+: on OOM free cached blocks and retry once before splitting
-    rf_defrag_retries = 0
     rf_rows_per_sample = 1  # batch rows that must stay together when a batch is split (a reward pair: 2)
-    rf_slowdown = 1.0  # faults.py: an injected straggler's compute slowdown factor
-    rf_crash_step = None  # faults.py: an injected crash when this optimizer step starts
     _rf_hooked = False
+
+    def __init__(self, *args, parts: WorkerParts, **kwargs):
+        self.rf = parts
+        super().__init__(*args, **kwargs)
 
     def get_train_dataloader(self):
         # TRL rejects Ray iterators as train_dataset, and a HF Dataset would be sharded a second
         # time by the Trainer: the Ray shard reaches the trainer here instead.
-        return self.rf_loader
+        return self.rf.loader
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        with self.rf_timer.phase("forward"):
+        with self.rf.timer.phase("forward"):
             try:
                 return super().compute_loss(model, inputs, *args, **kwargs)
             except Exception as e:
@@ -94,7 +104,7 @@ class RayStageMixin:
                 raise
 
     def create_optimizer(self, model=None):
-        exchange = self.rf_exchange
+        exchange = self.rf.exchange
         if self.optimizer is None and exchange is not None:
             opt_model = self.model if model is None else model
             decay = set(self.get_decay_parameter_names(opt_model))
@@ -106,28 +116,25 @@ class RayStageMixin:
         optimizer = super().create_optimizer(model)
         if exchange is not None:
             exchange.guard(optimizer, self.model)  # skips a non-finite step on every rank alike
-            if self.rf_guard is not None:
-                self.rf_guard.wrap(optimizer, lambda: self.state.global_step + 1, exchange)
+            if self.rf.guard is not None:
+                self.rf.guard.wrap(optimizer, lambda: self.state.global_step + 1, exchange)
         return optimizer
 
     def _clip_grad_norm(self, model):
-        norm = self.rf_exchange.clip_grad_norm(model, self.args.max_grad_norm) if self.rf_exchange is not None else None
+        exchange = self.rf.exchange
+        norm = exchange.clip_grad_norm(model, self.args.max_grad_norm) if exchange is not None else None
         return norm if norm is not None else super()._clip_grad_norm(model)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.rf_crash_step is not None and self.state.global_step + 1 == self.rf_crash_step:
-            raise InjectedCrash(f"injected crash at step {self.rf_crash_step} ({CRASH})")
-        if self.rf_guard is not None:
-            self.rf_guard.see_batch(inputs)
+        if self.rf.guard is not None:
+            self.rf.guard.see_batch(inputs)
         if not self._rf_hooked and isinstance(model, DistributedDataParallel):
-            if self.rf_exchange is not None:
-                self.rf_exchange.register(model)
+            if self.rf.exchange is not None:
+                self.rf.exchange.register(model)
             else:
-                model.register_comm_hook(self.rf_timer, timed_allreduce_hook)
+                model.register_comm_hook(self.rf.timer, timed_allreduce_hook)
             self._rf_hooked = True
-        if self.rf_backoff is None:
-            self.rf_backoff = OOMBackoff()
-        parts = self.rf_backoff.pieces_for(inputs)
+        parts = self.rf.backoff.pieces_for(inputs)
         return self._rf_pieces(model, self._rf_split(inputs, parts) if parts > 1 else [inputs], num_items_in_batch)
 
     def _rf_split(self, batch: dict, parts: int) -> list[dict]:
@@ -154,10 +161,10 @@ class RayStageMixin:
             return self._rf_timed_step(model, piece, num_items_in_batch)
         except _ForwardOutOfMemory as first:
             error = first
-        if self.rf_defragment:
+        if self.rf.defragment:
             # Fragmentation can fail a batch that fits: hand cached blocks back and retry it once.
             release_cached(self.args.device)
-            self.rf_defrag_retries += 1
+            self.rf.defrag_retries += 1
             try:
                 return self._rf_timed_step(model, piece, num_items_in_batch)
             except _ForwardOutOfMemory as again:
@@ -181,18 +188,18 @@ class RayStageMixin:
                 f"({str(oom.error).splitlines()[0][:160]}); lower data.max_length, lower "
                 "data.dynamic_batch.memory_threshold, raise memory.optim_level or give each worker more memory"
             ) from oom.error
-        self.rf_backoff.lower(piece, self.state.global_step + 1)
+        self.rf.backoff.lower(piece, self.state.global_step + 1)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand cached blocks back before the smaller retry
 
     def _rf_timed_step(self, model, inputs, num_items_in_batch):
-        forward_before = self.rf_timer.seconds("forward")
+        timer = self.rf.timer
+        forward_before = timer.seconds("forward")
         start = time.perf_counter()
-        with self.rf_timer.phase("backward"):
+        with timer.phase("backward"):
             loss = super().training_step(model, inputs, num_items_in_batch)
-            if self.rf_slowdown > 1.0:  # an injected straggler: its compute takes rf_slowdown x as long
-                compute = time.perf_counter() - start - self.rf_timer.comm_seconds_since(start)
-                time.sleep((self.rf_slowdown - 1.0) * max(0.0, compute))
+            if self.rf.straggler is not None:
+                self.rf.straggler.slow_down(start, timer)
         # training_step = forward (timed in compute_loss) + backward; keep them apart.
-        self.rf_timer.add("backward", forward_before - self.rf_timer.seconds("forward"))
+        timer.add("backward", forward_before - timer.seconds("forward"))
         return loss

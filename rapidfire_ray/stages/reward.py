@@ -15,7 +15,7 @@ from trl import RewardConfig, RewardTrainer
 
 from ..data.preference import split_pairs
 from ..memory.precision import Precision
-from .base import RayStageMixin, trainer_args
+from .base import RayStageMixin, WorkerParts, trainer_args
 
 
 class _PairLoss(RewardTrainer):
@@ -75,13 +75,12 @@ def reward_args(cfg: dict, output_dir: str, use_cpu: bool, precision: Precision 
     )
 
 
-def build_reward_trainer(args: RewardConfig, model, tokenizer, loader, sample_rows: list[dict],
+def build_reward_trainer(args: RewardConfig, model, tokenizer, parts: WorkerParts, sample_rows: list[dict],
                          callbacks: list) -> RayRewardTrainer:
     # TRL inspects `train_dataset` at start-up (already tokenised pairs: it skips its own
     # tokenisation); the pairs it trains on come from `loader`.
     sample = Dataset.from_list(sample_rows)
-    trainer = RayRewardTrainer(model=model, args=args, train_dataset=sample, processing_class=tokenizer,
+    trainer = RayRewardTrainer(model=model, args=args, train_dataset=sample, parts=parts, processing_class=tokenizer,
                                callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # our progress line replaces its per-log prints
-    trainer.rf_loader = loader
     return trainer

@@ -6,7 +6,7 @@ from transformers.trainer_callback import PrinterCallback
 from trl import SFTConfig, SFTTrainer
 
 from ..memory.precision import Precision
-from .base import RayStageMixin, trainer_args
+from .base import RayStageMixin, WorkerParts, trainer_args
 
 
 class RaySFTTrainer(RayStageMixin, SFTTrainer):
@@ -27,12 +27,11 @@ def sft_args(cfg: dict, output_dir: str, use_cpu: bool, precision: Precision | N
     )
 
 
-def build_sft_trainer(args: SFTConfig, model, tokenizer, loader, sample_rows: list[dict],
+def build_sft_trainer(args: SFTConfig, model, tokenizer, parts: WorkerParts, sample_rows: list[dict],
                       callbacks: list) -> RaySFTTrainer:
     # TRL inspects one row of `train_dataset` at start-up; the rows it trains on come from `loader`.
     sample = Dataset.from_list(sample_rows)
-    trainer = RaySFTTrainer(model=model, args=args, train_dataset=sample,
+    trainer = RaySFTTrainer(model=model, args=args, train_dataset=sample, parts=parts,
                             processing_class=tokenizer, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # our progress line replaces its per-log prints
-    trainer.rf_loader = loader
     return trainer

@@ -17,13 +17,15 @@ apply_step + 1).
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
 import ray
 
+from transformers import TrainerCallback
+
 from ..config import worker_range
+from ..log import say, warn
 
 from .rules import CODEC_KNOB, KNOBS, RuleState, Settings, check_knob_value, codec_is_live, evaluate
 from .progress import Poller
@@ -133,7 +135,7 @@ class RunControl:
             try:
                 self.evaluate_once()
             except Exception as e:  # the rules must never stop the run
-                print(f"[rapidfire] control: rule evaluation failed: {e}", file=sys.stderr, flush=True)
+                warn(f"control: rule evaluation failed: {e}")
 
     def evaluate_once(self) -> list[dict]:
         new = ray.get(self.board.since.remote(self._cursor), timeout=30)
@@ -259,8 +261,7 @@ class KnobClient:
         self._pending = [c for c in self._pending if c["step"] > step]
         for c in due:
             if c["step"] < step:
-                print(f"[rapidfire] rank {self.rank}: {c['knob']} change for step {c['step']} applied late at "
-                      f"step {step}", flush=True)
+                say(f"rank {self.rank}: {c['knob']} change for step {c['step']} applied late at step {step}")
             self._apply(c, step)
         return due
 
@@ -273,6 +274,22 @@ class KnobClient:
                 self.on_apply(dict(self.values))
         if report:
             self.control.applied.remote(self.rank, change["index"], step)
+
+
+class LiveKnobs(TrainerCallback):
+    """The trainer callback of a worker's `KnobClient`: every change so far at the start, due
+    changes after each step (they apply to the next one)."""
+
+    def __init__(self, knobs: KnobClient, memory_limit_bytes: int | None = None):
+        self.knobs = knobs
+        self.memory_limit_bytes = memory_limit_bytes
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.knobs.begin(state.global_step, self.memory_limit_bytes)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.knobs.step_end(state.global_step)
+        return control
 
 
 def change_line(change: dict) -> str:

@@ -188,7 +188,7 @@ class WorkerMetrics:
             _Instruments.get(name).inc(float(value), tags=self.tags)
 
     def step(self, record: dict) -> None:
-        """A finished step's record (see telemetry.callback); recorded at log steps."""
+        """A finished step's record (telemetry.records.StepRecord); recorded at log steps."""
         self._pending.append(record)
         _Instruments.get("rapidfire_step_seconds").observe(record["phases"]["step"], tags=self.tags)
         if record["step"] % self.every_steps == 0:

@@ -1,7 +1,8 @@
-"""Live progress of a run: workers push step records to a small Ray actor, the driver prints them.
+"""Live progress of a run: workers push step records to the run board (`telemetry/board.py`),
+the driver prints a line from them.
 
-The same records become the run summary (`summary.summarise`), so what the progress line shows
-and what `run_summary.json` reports are one measurement.
+The same records become the run summary (`driver.outputs.summarise`), so what the progress line
+shows and what `run_summary.json` reports are one measurement.
 """
 from __future__ import annotations
 
@@ -9,56 +10,6 @@ import sys
 import threading
 
 import ray
-
-
-@ray.remote(num_cpus=0)
-class ProgressBoard:
-    """Holds per-rank step records and rank 0's logged losses for one run."""
-
-    def __init__(self):
-        self.steps: list[dict] = []
-        self.logs: list[dict] = []
-        self.plan = {"total_steps": None, "start_step": 0}
-        self.values: dict = {}
-
-    def set_plan(self, total_steps: int, start_step: int) -> None:
-        self.plan = {"total_steps": total_steps, "start_step": start_step}
-
-    def push_step(self, record: dict) -> None:
-        self.steps.append(record)
-
-    def push_log(self, record: dict) -> None:
-        self.logs.append(record)
-
-    def snapshot(self) -> dict:
-        return {"plan": self.plan, "steps": self.steps, "logs": self.logs}
-
-    def since(self, index: int) -> list[dict]:
-        """Step records from position `index` on (the control actor reads them incrementally)."""
-        return self.steps[index:]
-
-    def latest(self) -> dict:
-        """What `rapidfire monitor` shows: the plan, every rank's newest step record, the newest
-        logged loss, and the step count."""
-        newest: dict[int, dict] = {}
-        for r in reversed(self.steps):
-            newest.setdefault(r["rank"], r)
-            if len(newest) >= 1024 or r["step"] < max(x["step"] for x in newest.values()) - 64:
-                break
-        return {"plan": self.plan, "workers": [newest[k] for k in sorted(newest)],
-                "log": self.logs[-1] if self.logs else None, "records": len(self.steps),
-                "recent": self.steps[-256:]}
-
-    def line(self) -> str | None:
-        return progress_line(self.snapshot())
-
-    def put(self, key: str, value) -> None:
-        """Publish a run fact (e.g. the data layer's "shard_plan") for the workers and the driver."""
-        self.values[key] = value
-
-    def get(self, key: str):
-        """A fact published with `put` (None if none was)."""
-        return self.values.get(key)
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -131,5 +82,5 @@ class ProgressPrinter(Poller):
         except Exception:  # the board is best-effort; training must not fail for a progress line
             return
         if line and line != self._last:
-            print(f"[rapidfire] {line}", file=self.stream, flush=True)
+            print(f"[rapidfire] {line}", file=self.stream, flush=True)  # (self.stream: tests read it)
             self._last = line

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from rapidfire_ray import elastic
+from rapidfire_ray.worker import elastic
 from rapidfire_ray.data.elastic import (optimizer_steps, read_position, remainder_shares,
                                         write_position)
 from rapidfire_ray.data.loader import DynamicBatches, ShardLoader

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from rapidfire_ray.data.sharding import (
-    PLAN_KEY,
     TRAIN,
     ExactSplitDataConfig,
     ShardPlan,
@@ -178,25 +177,24 @@ def test_more_workers_than_rows_get_empty_shards(ray_cluster):
 
 
 def test_plan_is_published_on_the_board_and_reused_by_a_later_worker_group(ray_cluster):
-    from rapidfire_ray.telemetry.progress import ProgressBoard
+    from rapidfire_ray.telemetry.board import RunBoard
 
-    board = ProgressBoard.remote()
+    board = RunBoard.remote()
     try:
         ds = ray_cluster.data.range(40, override_num_blocks=4).materialize()
         # The config travels to Ray Train's DatasetManager actor by deepcopy + pickle.
         config = copy.deepcopy(ExactSplitDataConfig(board=board))
         config.configure({TRAIN: ds}, 2, None, None)
-        assert ray_cluster.get(board.get.remote(PLAN_KEY)) == ShardPlan.contiguous(40, 2).to_json()
+        assert ray_cluster.get(board.shard_plan.remote()) == ShardPlan.contiguous(40, 2).to_json()
         # A restarted worker group of the same run (a fresh config) keeps the published plan,
         # even where it would now compute another one.
         odd = ShardPlan(40, (((0, 10), (30, 40)), ((10, 30),)))
-        ray_cluster.get(board.put.remote(PLAN_KEY, odd.to_json()))
+        ray_cluster.get(board.publish_shard_plan.remote(odd.to_json()))
         config = ExactSplitDataConfig(board=board)
         its = [out[TRAIN] for out in config.configure({TRAIN: ds}, 2, None, None)]
         assert config.plan == odd
         order = [int(i) for b in ds.iter_batches(batch_format="numpy") for i in b["id"]]
         assert id_shards(its) == [[order[g] for g in odd.rows(r)] for r in range(2)]
-        assert ray_cluster.get(board.get.remote("nothing")) is None
     finally:
         ray_cluster.kill(board)
 

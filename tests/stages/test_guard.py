@@ -13,6 +13,7 @@ from rapidfire_ray.exchange import build_exchange
 from rapidfire_ray.models import load_model, load_tokenizer
 from rapidfire_ray.stages.guard import NanGuard
 from rapidfire_ray.stages.sft import build_sft_trainer, sft_args
+from rapidfire_ray.stages.base import WorkerParts
 from rapidfire_ray.telemetry.timing import StepTimer
 from paths import TINY_PROFILE
 
@@ -48,11 +49,11 @@ def train(tmp_path, steps: int, nan_calls: set[int], *, lr: float = 3e-3, max_co
     model.get_input_embeddings().register_forward_hook(NanOnSteps(nan_calls))
     tokenizer = load_tokenizer("tiny-random")
     batches = batches or [collate(rows(4, seed=s), 0) for s in range(steps)]
-    trainer = build_sft_trainer(sft_args(cfg, str(tmp_path), use_cpu=True), model, tokenizer, batches,
+    parts = WorkerParts(loader=batches, timer=StepTimer(),
+                        exchange=build_exchange(cfg["communication"], cfg["optimizer"], rank=0, total_steps=steps),
+                        guard=NanGuard.for_run(cfg, model, tokenizer.pad_token_id, rank=0))
+    trainer = build_sft_trainer(sft_args(cfg, str(tmp_path), use_cpu=True), model, tokenizer, parts,
                                 [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}], callbacks=[])
-    trainer.rf_timer = StepTimer()
-    trainer.rf_exchange = build_exchange(cfg["communication"], cfg["optimizer"], rank=0, total_steps=steps)
-    trainer.rf_guard = NanGuard.for_run(cfg, model, tokenizer.pad_token_id, rank=0)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     return trainer, model, start
 
@@ -60,7 +61,7 @@ def train(tmp_path, steps: int, nan_calls: set[int], *, lr: float = 3e-3, max_co
 def test_a_nan_step_is_skipped_and_leaves_the_parameters_unchanged(tmp_path):
     trainer, model, start = train(tmp_path, 1, {1})
     trainer.train()
-    assert trainer.rf_guard.skipped_steps == 1
+    assert trainer.rf.guard.skipped_steps == 1
     for name, p in model.named_parameters():
         assert torch.equal(p, start[name]), name  # no update, no NaN written into the weights
 
@@ -68,7 +69,7 @@ def test_a_nan_step_is_skipped_and_leaves_the_parameters_unchanged(tmp_path):
 def test_training_goes_on_after_an_isolated_nan_step(tmp_path):
     trainer, model, start = train(tmp_path, 3, {2})
     trainer.train()
-    assert trainer.rf_guard.skipped_steps == 1 and trainer.rf_guard.consecutive == 0
+    assert trainer.rf.guard.skipped_steps == 1 and trainer.rf.guard.consecutive == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(p, start[n]) for n, p in model.named_parameters())  # steps 1 and 3 trained
 

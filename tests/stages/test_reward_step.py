@@ -14,6 +14,7 @@ from rapidfire_ray.data.backoff import BatchDoesNotFit
 from rapidfire_ray.data.preference import collate_pairs
 from rapidfire_ray.models import load_reward_model, load_tokenizer
 from rapidfire_ray.stages.reward import build_reward_trainer, reward_args
+from rapidfire_ray.stages.base import WorkerParts
 from rapidfire_ray.telemetry.timing import StepTimer
 from paths import TINY_PROFILE
 
@@ -45,9 +46,8 @@ def one_step(tmp_path, batches: list[dict], *, hook=None):
         model.register_forward_pre_hook(hook, with_kwargs=True)
     capture = Capture()
     sample = [{"chosen_ids": [1, 2, 3], "rejected_ids": [4, 5]}]
-    trainer = build_reward_trainer(reward_args(plain, str(tmp_path), use_cpu=True), model, tokenizer, batches,
-                                   sample, callbacks=[capture])
-    trainer.rf_timer = StepTimer()
+    trainer = build_reward_trainer(reward_args(plain, str(tmp_path), use_cpu=True), model, tokenizer,
+                                   WorkerParts(loader=batches, timer=StepTimer()), sample, callbacks=[capture])
     trainer.train()
     return capture, trainer
 
@@ -88,7 +88,7 @@ def test_out_of_memory_split_keeps_pairs_whole_and_the_gradient(tmp_path):
     assert reference.grads.keys() == capture.grads.keys()
     for name in reference.grads:
         torch.testing.assert_close(capture.grads[name], reference.grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert trainer.rf_backoff.events[0]["rows"] == 10
+    assert trainer.rf.backoff.events[0]["rows"] == 10
 
 
 def test_a_single_pair_that_does_not_fit_fails_with_what_to_change(tmp_path):

@@ -13,6 +13,7 @@ from rapidfire_ray.data.backoff import BatchDoesNotFit, split_batch
 from rapidfire_ray.data.loader import collate
 from rapidfire_ray.models import load_model, load_tokenizer
 from rapidfire_ray.stages.sft import build_sft_trainer, sft_args
+from rapidfire_ray.stages.base import WorkerParts
 from rapidfire_ray.telemetry.timing import StepTimer
 from paths import TINY_PROFILE
 
@@ -52,8 +53,7 @@ def one_step(tmp_path, batches: list[dict], grad_accum: int, *, hook=None):
     capture = GradCapture()
     sample = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]
     trainer = build_sft_trainer(sft_args(plain, str(tmp_path), use_cpu=True), model, load_tokenizer("tiny-random"),
-                                batches, sample, callbacks=[capture])
-    trainer.rf_timer = StepTimer()
+                                WorkerParts(loader=batches, timer=StepTimer()), sample, callbacks=[capture])
     trainer.train()
     return capture.grads, trainer
 
@@ -90,9 +90,9 @@ def test_out_of_memory_splits_the_batch_retries_and_trains_every_row_once(tmp_pa
     grads, trainer = one_step(tmp_path / "oom", [batch], 1, hook=oom_above_two_rows)
     assert sorted(trained) == sorted(tuple(r["input_ids"].tolist()) for r in data)  # each row once
     assert_same_grads(reference, grads)
-    events = trainer.rf_backoff.events
+    events = trainer.rf.backoff.events
     assert events[0]["rows"] == 7 and all(e["step"] == 1 for e in events)
-    assert trainer.rf_backoff.ceiling <= batch["input_ids"].numel() // 4
+    assert trainer.rf.backoff.ceiling <= batch["input_ids"].numel() // 4
 
 
 def test_a_single_row_that_does_not_fit_fails_with_what_to_change(tmp_path):

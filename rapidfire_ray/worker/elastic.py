@@ -22,11 +22,11 @@ import os
 
 from transformers import TrainerCallback
 
-from .config import is_elastic, worker_range
-from .data.elastic import ElasticLoader, RowSubset, optimizer_steps, read_position, remainder_shares
-from .data.loader import ShardLoader
-from .errors import RapidfireError
-from .data.sharding import FULL  # noqa: F401 - the whole training dataset, for the rest of an epoch
+from ..config import is_elastic, worker_range
+from ..data.elastic import ElasticLoader, RowSubset, optimizer_steps, read_position, remainder_shares
+from ..data.loader import ShardLoader
+from ..errors import RapidfireError
+from ..data.sharding import FULL  # noqa: F401 - the whole training dataset, for the rest of an epoch
 
 
 def adapt(cfg: dict, world: int) -> dict:

@@ -13,7 +13,7 @@ import json
 import os
 import re
 
-from .atomic import atomic_write_json
+from ..atomic import atomic_write_json
 
 MANIFEST_PREFIX = "manifest-rank"
 SHARD_PLAN_FILE = "shard_plan.json"  # rank 0 saves the run's shard plan with every checkpoint
