@@ -149,16 +149,28 @@ def cross_checks(cfg: DictConfig) -> None:
             if rl.ppo.value_init == "reward" and rl.reward.model is None:
                 raise RapidfireError("rl.ppo.value_init: 'reward' needs rl.reward.model; set it, or "
                                      "value_init=policy")
-        unsupported = [(mode != "allreduce", f"communication.mode {mode}"),
-                       (optimizer != "adamw", f"optimizer.type {optimizer}"),
-                       (level != "level0", f"memory.optim_level {level}"),
-                       (scaling.hybrid_parallel, "scaling.hybrid_parallel"),
-                       (cfg.data.dynamic_batch.strategy != "fixed",
-                        f"data.dynamic_batch.strategy {cfg.data.dynamic_batch.strategy}")]
-        for bad, what in unsupported:
+        # What the RL stage still refuses, and why (README: "RL and the acceleration layers").
+        ppo = rl.algorithm == "ppo"
+        unsupported = [
+            (ppo and mode != "allreduce", f"communication.mode {mode}",
+             "ppo's update loop steps its own optimizers outside a transformers Trainer and exchanges plain DDP "
+             "gradients; use grpo or rloo for a compressed exchange"),
+            (ppo and optimizer != "adamw", f"optimizer.type {optimizer}",
+             "ppo's update loop builds its own AdamW; use grpo or rloo for rapidfire_adamw"),
+            (mode == "parameter_server", "communication.mode parameter_server",
+             "the RL trainers gather rewards and group statistics over all ranks every step, which needs the "
+             "process group the parameter server runs without; use allreduce or allreduce_compressed"),
+            (level != "level0", f"memory.optim_level {level}",
+             "the policy's blocks also run sampling and the reference pass, where checkpointing and int8 "
+             "saved-activation hooks are not validated; use level0"),
+            (scaling.hybrid_parallel, "scaling.hybrid_parallel", "it needs ZeRO-3 (memory level3); use level0"),
+            (cfg.data.dynamic_batch.strategy != "fixed", f"data.dynamic_batch.strategy {cfg.data.dynamic_batch.strategy}",
+             "an RL batch is num_generations completions per prompt, sampled each step, not token rows to regroup; "
+             "use fixed"),
+        ]
+        for bad, what, why in unsupported:
             if bad:
-                raise RapidfireError(f"{what}: train.stage rl runs with plain DDP allreduce, adamw, memory level0 "
-                                     "and fixed batches in this release; remove it for the RL stage")
+                raise RapidfireError(f"{what}: not with train.stage rl ({rl.algorithm}): {why}")
 
     # The reward stage and the preference pairs that feed it.
     if stage == "reward" and fmt != "preference":

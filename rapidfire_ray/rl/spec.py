@@ -122,7 +122,7 @@ class RLStage(StageSpec):
 
     def collect(self, board, result, snapshot: dict) -> None:
         reports = {w.rank: w for w in ray.get(board.worker_reports.remote())}
-        rank0 = reports.get(0)
+        self.rank0 = rank0 = reports.get(0)
         self.facts = {"rl/eval_before": rank0.eval_before if rank0 else None,
                       "rl/eval_after": rank0.eval_after if rank0 else None}
         self.pools = [reports[r].reward_pool if r in reports else None for r in range(self.cfg.scaling.num_workers)]
@@ -137,6 +137,9 @@ class RLStage(StageSpec):
         if self.eval_report is not None:
             summary["rl"]["eval_data"] = self.eval_report.to_dict()
         summary["reward_pool"] = pool_summary(self.cfg, steps, self.pools, self.actor_stats)
+        summary["communication"] = {"mode": self.cfg.communication.mode, **(summary["communication"] or {})}
+        if self.rank0 is not None:
+            summary["nonfinite_skipped_steps"] = self.rank0.skipped_steps
 
     def done_text(self, summary: dict) -> str:
         rl = summary["rl"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 from ..telemetry.records import StepRecord
-from ..telemetry.recorder import OptimizerClock
+from ..telemetry.recorder import OptimizerClock, exchange_counters
 from ..telemetry.timing import StepTimer, peak_memory_bytes
 
 RL_PHASES = ("rollout", "reward")
@@ -65,12 +65,13 @@ class TRLStepCallback(OptimizerClock):
             "clip_ratio/region_mean": "clip_fraction", "completions/mean_length": "completion_length",
             "frac_reward_zero_std": "frac_reward_zero_std"}
 
-    def __init__(self, *, board, timer: RLStepTimer, pool, rank: int, metrics=None):
+    def __init__(self, *, board, timer: RLStepTimer, pool, rank: int, metrics=None, exchange=None):
         self.board = board
         self.metrics = metrics  # telemetry.metrics.WorkerMetrics
         self.timer = timer
         self.pool = pool
         self.rank = rank
+        self.exchange = exchange  # exchange.GradientExchange: its counters go into each step record
         self.trainer = None  # set after the trainer is built
         self._completions = 0
 
@@ -92,8 +93,10 @@ class TRLStepCallback(OptimizerClock):
                 rl[key[len("rewards/"):-len("/mean")]] = sum(values) / len(values)
         tokens, self.timer.generated_tokens = self.timer.generated_tokens, 0
         completions, self.trainer.rf_completions = self.trainer.rf_completions, 0
-        record = step_record(rank=self.rank, step=state.global_step, phases=self.timer.take(),
-                             completions=completions, tokens=tokens, rl=rl, pool_counts=self.pool.take())
+        phases = self.timer.take()
+        counters = {**self.pool.take(), **exchange_counters(self.exchange, phases)}
+        record = step_record(rank=self.rank, step=state.global_step, phases=phases,
+                             completions=completions, tokens=tokens, rl=rl, pool_counts=counters)
         publish(self.board, self.metrics, record, {"step": state.global_step, "loss": self.trainer.rf_last_loss,
                                                    "reward": rl.get("reward"), "kl": rl.get("kl")})
         return control

@@ -22,24 +22,21 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.trainer.utils import RepeatSampler, identity
 
-from ..stages.base import trainer_args
-from ..telemetry.timing import timed_allreduce_hook
+from ..stages.base import ExchangeSeams, WorkerParts, trainer_args
 from .reward_pool import RewardPool, rows_from_columns
 
 
-class RLTimingMixin:
-    """Mix into a TRL online trainer (before it in the bases): times rollout, reward and update."""
+class RLTimingMixin(ExchangeSeams):
+    """Mix into a TRL online trainer (before it in the bases): times rollout, reward and update
+    (`parts.timer`, an RLStepTimer); the gradient exchange and NaN guard through `ExchangeSeams`."""
 
-    rf_timer = None
     rf_completions = 0
     rf_last_loss = None
-    _rf_hooked = False
 
     def get_train_dataloader(self):
         # The rank's own rows through TRL's sampler (see the module doc), sized for this rank: TRL's
@@ -56,32 +53,31 @@ class RLTimingMixin:
 
         t0 = time.perf_counter()
         out = super()._generate(prompts)
-        self.rf_timer.generate_s += time.perf_counter() - t0
+        self.rf.timer.generate_s += time.perf_counter() - t0
         completion_ids = out[1]
-        self.rf_timer.generated_tokens += sum(len(c) for c in completion_ids)
+        self.rf.timer.generated_tokens += sum(len(c) for c in completion_ids)
         self.rf_completions += len(completion_ids)
         return out
 
     def _calculate_rewards(self, *args, **kwargs):
-        with self.rf_timer.phase("reward"):
+        with self.rf.timer.phase("reward"):
             return super()._calculate_rewards(*args, **kwargs)
 
     def _generate_and_score_completions(self, inputs):
-        reward_before = self.rf_timer.seconds("reward")
-        with self.rf_timer.phase("rollout"):
+        timer = self.rf.timer
+        reward_before = timer.seconds("reward")
+        with timer.phase("rollout"):
             out = super()._generate_and_score_completions(inputs)
-        self.rf_timer.add("rollout", -(self.rf_timer.seconds("reward") - reward_before))
+        timer.add("rollout", -(timer.seconds("reward") - reward_before))
         return out
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        with self.rf_timer.phase("forward"):
+        with self.rf.timer.phase("forward"):
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self._rf_hooked and isinstance(model, DistributedDataParallel):
-            model.register_comm_hook(self.rf_timer, timed_allreduce_hook)
-            self._rf_hooked = True
-        t = self.rf_timer
+        self._rf_register(model)
+        t = self.rf.timer
         before = {k: t.seconds(k) for k in ("forward", "rollout", "reward")}
         with t.phase("backward"):
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -154,14 +150,14 @@ def policy_source(model, scratch: str) -> None:
 
 
 def build_trl_trainer(cfg: dict, model, tokenizer, dataset, pool: RewardPool, callback, scratch: str,
-                      use_cpu: bool):
+                      use_cpu: bool, parts: WorkerParts):
     if cfg["rl"]["kl_beta"] > 0:
         policy_source(model, scratch)
     tokenizer.padding_side = "left"
     args = trl_args(cfg, scratch, use_cpu, pool.weights)
     cls = RayGRPOTrainer if cfg["rl"]["algorithm"] == "grpo" else RayRLOOTrainer
     trainer = cls(model=model, reward_funcs=reward_functions(pool), args=args, train_dataset=dataset,
-                  processing_class=tokenizer, callbacks=[callback])
+                  processing_class=tokenizer, callbacks=[callback], parts=parts)
     trainer.remove_callback(PrinterCallback)
     callback.trainer = trainer
     return trainer

@@ -16,6 +16,9 @@ from ..data.sharding import TRAIN
 from ..models import load_model, load_tokenizer
 from ..models.registry import save_pretrained_atomic
 from ..telemetry.metrics import WorkerMetrics
+from ..exchange import build_exchange
+from ..stages.base import WorkerParts
+from ..stages.guard import NanGuard
 from ..telemetry.records import WorkerReport
 from .evaluate import evaluate
 from .reward_pool import RewardPool
@@ -54,11 +57,15 @@ def rl_loop_per_worker(config: dict) -> None:
 
             from .trl_stage import build_trl_trainer, unwrap
 
-            callback = TRLStepCallback(board=board, timer=timer, pool=pool, rank=rank, metrics=metrics)
+            parts = WorkerParts(loader=None, timer=timer, guard=NanGuard.for_run(cfg, model, tokenizer.pad_token_id, rank),
+                                exchange=build_exchange(cfg["communication"], cfg["optimizer"], rank=rank, timer=timer,
+                                                        total_steps=_total_steps(cfg, len(rows))))
+            callback = TRLStepCallback(board=board, timer=timer, pool=pool, rank=rank, metrics=metrics,
+                                       exchange=parts.exchange)
             trainer = build_trl_trainer(cfg, model, tokenizer, Dataset.from_list(rows), pool, callback, scratch,
-                                        use_cpu=not use_gpu)
-            trainer.rf_timer = timer
+                                        use_cpu=not use_gpu, parts=parts)
             trainer.train()
+            report.skipped_steps = parts.guard.skipped_steps
             policy = unwrap(trainer)
         else:
             from .ppo import train_ppo
@@ -79,3 +86,12 @@ def rl_loop_per_worker(config: dict) -> None:
         ray.train.report({"step": -1}, checkpoint=checkpoint, checkpoint_dir_name="checkpoint-final")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _total_steps(cfg, prompts: int) -> int:
+    """The run's optimizer steps (rapidfire_adamw's default warm-up is a share of them): each step
+    trains on per_device_batch_size completions, num_generations per prompt."""
+    if cfg["train"]["max_steps"] > 0:
+        return cfg["train"]["max_steps"]
+    prompts_per_step = max(1, cfg["train"]["per_device_batch_size"] // cfg["rl"]["num_generations"])
+    return max(1, int(cfg["train"]["epochs"] * prompts // prompts_per_step))

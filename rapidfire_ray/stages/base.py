@@ -78,30 +78,16 @@ class _ForwardOutOfMemory(Exception):
         self.error = error
 
 
-class RayStageMixin:
-    """Mix into a TRL trainer class (before it in the bases); built with `parts=WorkerParts(...)`
-    beside the TRL trainer's own arguments."""
+class ExchangeSeams:
+    """Where the gradient exchange and the NaN guard meet a transformers Trainer (any stage's,
+    TRL's online RL trainers too): the optimizer it builds and guards, its clip, its DDP hook.
+    Built with `parts=WorkerParts(...)` beside the trainer's own arguments."""
 
-    rf_rows_per_sample = 1  # batch rows that must stay together when a batch is split (a reward pair: 2)
     _rf_hooked = False
 
     def __init__(self, *args, parts: WorkerParts, **kwargs):
         self.rf = parts
         super().__init__(*args, **kwargs)
-
-    def get_train_dataloader(self):
-        # TRL rejects Ray iterators as train_dataset, and a HF Dataset would be sharded a second
-        # time by the Trainer: the Ray shard reaches the trainer here instead.
-        return self.rf.loader
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        with self.rf.timer.phase("forward"):
-            try:
-                return super().compute_loss(model, inputs, *args, **kwargs)
-            except Exception as e:
-                if is_out_of_memory(e):
-                    raise _ForwardOutOfMemory(e) from e
-                raise
 
     def create_optimizer(self, model=None):
         exchange = self.rf.exchange
@@ -125,15 +111,39 @@ class RayStageMixin:
         norm = exchange.clip_grad_norm(model, self.args.max_grad_norm) if exchange is not None else None
         return norm if norm is not None else super()._clip_grad_norm(model)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.rf.guard is not None:
-            self.rf.guard.see_batch(inputs)
+    def _rf_register(self, model) -> None:
+        """At the first step, once DDP wraps the model: the exchange's hook (or DDP's, timed)."""
         if not self._rf_hooked and isinstance(model, DistributedDataParallel):
             if self.rf.exchange is not None:
                 self.rf.exchange.register(model)
             else:
                 model.register_comm_hook(self.rf.timer, timed_allreduce_hook)
             self._rf_hooked = True
+
+
+class RayStageMixin(ExchangeSeams):
+    """Mix into a TRL trainer class (before it in the bases) for the sft and reward stages."""
+
+    rf_rows_per_sample = 1  # batch rows that must stay together when a batch is split (a reward pair: 2)
+
+    def get_train_dataloader(self):
+        # TRL rejects Ray iterators as train_dataset, and a HF Dataset would be sharded a second
+        # time by the Trainer: the Ray shard reaches the trainer here instead.
+        return self.rf.loader
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        with self.rf.timer.phase("forward"):
+            try:
+                return super().compute_loss(model, inputs, *args, **kwargs)
+            except Exception as e:
+                if is_out_of_memory(e):
+                    raise _ForwardOutOfMemory(e) from e
+                raise
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.rf.guard is not None:
+            self.rf.guard.see_batch(inputs)
+        self._rf_register(model)
         parts = self.rf.backoff.pieces_for(inputs)
         return self._rf_pieces(model, self._rf_split(inputs, parts) if parts > 1 else [inputs], num_items_in_batch)
 

@@ -11,6 +11,20 @@ from .records import StepRecord
 from .timing import StepTimer, peak_memory_bytes
 
 
+def exchange_counters(exchange, phases: dict) -> dict:
+    """The gradient exchange's counters of this step (bytes, latency, compression, skipped steps);
+    exchange time the step timer could not see is moved from its phase into `communication`."""
+    if exchange is None:
+        return {}
+    counters = exchange.take_stats()
+    where = counters.pop("untimed_comm_phase", None)
+    if where is not None:
+        moved = min(counters["comm_seconds"], phases[where])
+        phases[where] -= moved
+        phases["communication"] += moved
+    return counters
+
+
 class OptimizerClock(TrainerCallback):
     """Times the optimizer step into `self.timer`'s `optimizer` phase."""
 
@@ -56,12 +70,7 @@ class StepRecorder(OptimizerClock):
         self.timer.add("data_wait", self.loader.wait_s)
         self.loader.wait_s = 0.0
         phases = self.timer.take()
-        counters = self.exchange.take_stats() if self.exchange is not None else {}
-        where = counters.pop("untimed_comm_phase", None)
-        if where is not None:  # exchange time the step timer could not see: move it to communication
-            moved = min(counters["comm_seconds"], phases[where])
-            phases[where] -= moved
-            phases["communication"] += moved
+        counters = exchange_counters(self.exchange, phases)
         if self.memory is not None:
             counters.update(self.memory.take_step())
         counts = self._loader_counts()

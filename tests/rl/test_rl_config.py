@@ -34,13 +34,26 @@ def test_defaults_and_stage_rl_accepted():
     ({"rl.algorithm": "ppo", "rl.ppo.minibatch_size": 3}, r"rl.ppo.minibatch_size: 3 does not divide"),
     ({"rl.algorithm": "ppo", "rl.ppo.value_init": "reward"}, r"rl.ppo.value_init: 'reward' needs rl.reward.model"),
     ({"rl.ppo.gamma": 1.5}, r"rl.ppo.gamma: 1.5 is out of range"),
-    ({"communication.mode": "allreduce_compressed", "optimizer.params.compression.grad": "1bit"},
-     r"communication.mode allreduce_compressed: train.stage rl runs with plain DDP"),
+    ({"rl.algorithm": "ppo", "communication.mode": "allreduce_compressed", "optimizer.params.compression.grad": "1bit"},
+     r"communication.mode allreduce_compressed: not with train.stage rl \(ppo\): ppo's update loop"),
+    ({"communication.mode": "parameter_server"}, r"communication.mode parameter_server: not with train.stage rl"),
+    ({"memory.optim_level": "level1"}, r"memory.optim_level level1: not with train.stage rl \(grpo\)"),
+    ({"data.dynamic_batch.strategy": "token_budget"}, r"data.dynamic_batch.strategy token_budget: not with"),
 ])
 def test_bad_rl_config_is_one_line(overrides, match):
     with pytest.raises(RapidfireError, match=match) as e:
         load_config(None, {**RL, **overrides})
     assert "\n" not in str(e.value)
+
+
+def test_grpo_and_rloo_take_the_compressed_exchange_and_rapidfire_adamw():
+    for algorithm in ("grpo", "rloo"):
+        cfg = load_config(None, {**RL, "rl.algorithm": algorithm, "communication.mode": "allreduce_compressed",
+                                 "optimizer.params.compression.grad": "1bit"})
+        assert cfg.communication.mode == "allreduce_compressed"
+        cfg = load_config(None, {**RL, "rl.algorithm": algorithm, "optimizer.type": "rapidfire_adamw",
+                                 "optimizer.params.compression.grad": "1bit"})
+        assert cfg.optimizer.type == "rapidfire_adamw"
 
 
 def test_prompt_rows():

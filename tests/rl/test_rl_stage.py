@@ -98,12 +98,20 @@ def test_grpo_with_reward_actor_that_dies_mid_run(ray_cluster, tmp_path, prompts
     assert math.isfinite(ev["after"]["mean_reward"])
 
 
-def test_rloo_with_reward_actor(ray_cluster, tmp_path, prompts, tiny_reward_model):
+def test_rloo_with_reward_actor_over_the_compressed_exchange(ray_cluster, tmp_path, prompts, tiny_reward_model):
+    """RLOO through the same gradient exchange as SFT: 1-bit compressed allreduce with error
+    feedback (bytes counted in every step record), the NaN guard counting skipped steps."""
     from rapidfire_ray.driver import run
 
-    summary = run(_config(tmp_path, prompts, tiny_reward_model, "rloo", **{"rl.reward.weights": {"model": 0.5}}))
+    summary = run(_config(tmp_path, prompts, tiny_reward_model, "rloo", **{
+        "rl.reward.weights": {"model": 0.5}, "communication.mode": "allreduce_compressed",
+        "optimizer.params.compression.grad": "1bit", "optimizer.params.compression.keep_fp16": [],
+        "optimizer.params.compression.min_numel": 0}))
     _check_run(summary, tmp_path, "rloo")
     assert summary["rl"]["reward_weights"] == {"model": 0.5}
+    comm = summary["communication"]
+    assert comm["mode"] == "allreduce_compressed" and comm["compression_ratio"] > 10, comm
+    assert comm["skipped_steps"] == 0 and summary["nonfinite_skipped_steps"] == 0
 
 
 def test_ppo_with_reward_actor_and_value_model_from_it(ray_cluster, tmp_path, prompts, tiny_reward_model):
