@@ -29,7 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import RapidfireError
 from ..models import load_model
 from ..checkpoints import refresh_manifest_entries
-from .shard import launch_shards, snapshot_path
+from .launch import launch_shards
+from .snapshots import snapshot_path
 from ..exchange.parameter_server import codec_options, shard_state_files
 
 
