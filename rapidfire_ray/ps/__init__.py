@@ -1,6 +1,7 @@
 """Parameter server (`communication.mode: parameter_server`): sharded Ray actors that own the
 parameters' float32 master copy and optimizer state and apply compressed updates as they
-arrive; workers push compressed gradients and pull compressed deltas (see shard.py, client.py and docs/parameter_server.md).
+arrive; workers push compressed gradients and pull compressed deltas (see shard.py, client.py
+and docs/parameter_server.md).
 """
 from .client import PSClient
 from .launch import launch_shards, remote_shard
