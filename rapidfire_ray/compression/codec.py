@@ -1,20 +1,9 @@
 """The one interface every gradient codec implements, and the few pieces they share.
 
-A codec turns a gradient into the exact bytes that go over the wire (`encode`), turns those
-bytes back into a float32 tensor (`decode`), and says beforehand how many bytes that is
-(`wire_bytes`). The compressed allreduce sends `Encoded.payload` as it is, and the
-communication accounting counts `payload.numel()`; `wire_bytes` lets both be checked against a
-formula (`encode(t).payload.numel() == wire_bytes(t.numel())` always holds: `encode` asserts it).
-
-Why the payload is a uint8 torch tensor on the gradient's device: gloo and NCCL carry tensors,
-not Python bytes, so the same code works on CPU and GPU without a host copy.
-
-Payload layout rule, shared by all codecs: fixed-width 4-byte fields (fp32 scales, int32
-indices, fp32 values) come first, packed bit fields last. torch can reinterpret a uint8 slice as
-float32/int32 in place only at offsets that are multiples of 4, so this keeps every field a
-zero-copy view. Multi-byte fields are in the machine's byte order (little-endian on every
-platform torch trains on). Bit fields are packed LSB-first: element `i` of a b-bit field lives
-in byte `i*b // 8` at bit `i*b % 8`; unused bits of the last byte are zero.
+A codec's `encode` gives the exact bytes that go over the wire (a uint8 tensor on the
+gradient's device), `decode` gives them back as float32, and `wire_bytes` says the size
+beforehand. Why a uint8 tensor and the payload layout rule every codec follows:
+docs/compression.md.
 """
 from __future__ import annotations
 

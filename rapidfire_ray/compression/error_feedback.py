@@ -1,19 +1,9 @@
 """Error feedback: what a lossy codec failed to send this step is added to the next step's
 tensor, so nothing is lost, only delayed.
 
-Without it, sign compression can diverge; with it, any contractive compressor keeps SGD's
-convergence rate (EF-SignSGD, arXiv 1901.09847; 1-bit Adam, arXiv 2102.02888). Per step:
-
-    corrected = tensor + residual
-    sent      = decode(encode(corrected))
-    residual  = corrected - sent
-
-so the sum of everything sent equals the sum of the true tensors minus the final residual.
-
-One residual per tensor, keyed by name (the parameter's; the compressed allreduce can keep its
-server-side residuals under names of its own), kept in float32 on the tensor's device. The residuals are
-training state: `state_dict()` / `load_state_dict()` let checkpoints save and restore them,
-so a resumed run sends exactly what an uninterrupted one would.
+One float32 residual per tensor name on the tensor's device; `state_dict()` /
+`load_state_dict()` save and restore them with a checkpoint. Why it keeps convergence and the
+per-step identity: docs/compression.md.
 """
 from __future__ import annotations
 

@@ -1,26 +1,13 @@
 """`1bit`: the sign of each element plus one float32 scale per chunk, as in 1-bit Adam.
 
-Each element becomes one bit (set when the value is >= 0, so an exact zero decodes to +scale,
-the 1-bit Adam convention), 8 per byte, LSB-first. Each chunk of `chunk_size` elements (default
-2048) carries one float32 scale and decodes to +-scale. The scale, by the `scale` option:
-
-- "mean_abs" (default): the mean |x| over the chunk's real elements. It minimises the squared
-  error of `scale * sign(x)` for the given signs and makes the compressor contractive
-  (||x - C(x)||^2 < ||x||^2 for x != 0), what error feedback needs (EF-SignSGD, arXiv
-  1901.09847).
-- "rms": ||x||_2 / sqrt(n) over the chunk, as 1-bit Adam's reference implementation uses. A
-  little more error per step on Gaussian data (0.40 vs 0.36 of ||x||^2), but under a persistent
-  bias (momentum, or a gradient with a few large steady entries) its error-feedback residual
-  settles quickly, where mean |x| lets the residual grow for hundreds of steps: a large steady
-  entry is only matched once the chunk's scale reaches it, and the residual building up in it
-  lifts a mean |x| by 1/chunk_size of its size but an RMS by about 1/sqrt(chunk_size).
-  Measured here (2 chunks of 2048, gradient = fixed N(0, 0.5^2) bias + fresh N(0, 1) noise,
-  residual norm averaged over steps 0-100 / 300-400 / 900-1000): "rms" 78 / 104 / 107,
-  "mean_abs" 120 / 432 / 772 (gradient norm ~72). Without a bias both settle at once (~50).
+Bits LSB-first, set for x >= 0 (an exact zero decodes to +scale). `scale`: "mean_abs"
+(default, contractive) or "rms" (1-bit Adam's; its error-feedback residual settles under a
+persistent bias). Why and the measurements: docs/compression.md.
 
 Payload: n_chunks float32 scales, then ceil(n / 8) bytes of sign bits (unused bits zero).
 Size: 4 * ceil(n / chunk_size) + ceil(n / 8) bytes: 31.5x fewer than float32 at 2048.
-NaN/inf input raises NonFiniteGradient."""
+NaN/inf input raises NonFiniteGradient.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

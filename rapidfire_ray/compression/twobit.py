@@ -2,35 +2,17 @@
 sent exactly. For dense gradients, whose mass is spread over many entries, where 1 bit loses
 too much.
 
-Dense part. Each chunk of `chunk_size` elements (default 2048) has one float32 scale s, the
-mean |x| over the chunk's elements that are not in the sparse part. Each element gets a 2-bit
-code: bit 1 is the sign (set for x >= 0), bit 0 says whether |x| > T*s (outer level) or not
-(inner level). The code decodes to +-A*s (inner) or +-B*s (outer) with
-
-    T = 1.2302517, A = 0.5674756, B = 1.8930277.
-
-These are the Lloyd-Max 4-level quantiser for a Gaussian (threshold 0.98160 sigma, levels
-0.45278 and 1.51042 sigma; Max 1960) rewritten in units of mean |x| = sigma * sqrt(2/pi). It is
-the 4-level scheme of least mean squared error for Gaussian data, relative error
-0.1175 sigma^2, slightly better than the best uniform grid {+-0.5, +-1.5} * 0.9957 sigma
-(0.1188) and far better than the ternary {-s, 0, +s} (0.19 at its best threshold). The levels
-are symmetric and there is no zero level: an exact zero decodes to +A*s, the same "zero counts
-as positive" rule as 1-bit, and error feedback carries the difference to the next step.
-Mean |x| rather than the RMS as the scale because it cannot overflow where x^2 would (|x| >
-1.8e19). An outer level that would exceed the float32 range is clamped to float32 max.
-
-Sparse part. The k = ceil(sparse_fraction * n) entries of largest magnitude (default 1%) are
-sent exactly as int32 index + float32 value pairs, indices ascending, and are left out of the
-scales: the tails of a gradient are where a fixed 4-level grid errs most, and one outlier
-would otherwise inflate the scale of its whole chunk. The dense codes still cover every
-element (so they stay byte-aligned per chunk); at a sparse position the code has magnitude bit 0
-and the value's sign, and the decoder overwrites it with the exact value.
+Dense part: per chunk a float32 scale (mean |x| over the non-sparse elements) and a 2-bit
+code per element, decoding to +-A*s or +-B*s (the Lloyd-Max 4-level quantiser for a
+Gaussian). Sparse part: the largest `sparse_fraction` of entries sent exactly. The levels'
+derivation and why the sparse part exists: docs/compression.md.
 
 Payload: n_chunks float32 scales, k int32 indices, k float32 values, then ceil(n / 4) bytes of
 2-bit codes (unused bits zero).
 Size: 4 * ceil(n / chunk_size) + 8 * k + ceil(n / 4) bytes (about 12x fewer than float32 at the
 defaults). Tensors of 2**31 elements or more cannot be indexed by int32 and are refused.
-NaN/inf input raises NonFiniteGradient."""
+NaN/inf input raises NonFiniteGradient.
+"""
 from __future__ import annotations
 
 import math

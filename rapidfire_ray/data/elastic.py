@@ -1,23 +1,10 @@
 """Elastic runs' data position: every row once per epoch, across changes of the worker count.
 
-A run with `scaling.num_workers: [min, max]` restarts with another number of workers when nodes
-join or leave (Ray Train's elastic scaling), from its latest checkpoint. The shard plan, the
-batches and the batches per epoch all depend on the worker count, so a fixed-size run's resume
-(skip the first k batches of the same shard) does not carry over. Instead:
-
-- With every checkpoint each rank writes `position-rank<r>.npz`: the epoch it is in and the global
-  indices of the rows it has trained on in that epoch (rank 0 adds the rows of the epoch trained
-  before the latest restart). Ray Train merges the ranks' folders, so the checkpoint holds them all.
-- At a resume, the union of those files is the epoch's consumed rows; the other rows (the
-  remainder) are shared by the new workers, contiguously over the sorted remainder (sizes as
-  `shard_bounds`), each worker picking its rows out of the whole dataset. Then the new worker
-  count's full epochs follow, with its own shard plan.
-- `ElasticLoader` is that stream. It owns the epoch counter: transformers' "epochs" are only
-  chunks of `len(loader)` batches taken from the stream (an iterator that is not exhausted goes
-  on where it stopped at the next `iter()`). For a `train.epochs` run one chunk is the whole
-  rest of the run: transformers steps the optimizer at the end of its epoch, so a chunk that
-  ended early inside an accumulation group would leave that group unstepped. `finished` says
-  the last epoch's last batch has been handed out, when the trainer callback saves and stops.
+With every checkpoint each rank writes `position-rank<r>.npz` (its epoch and the global rows
+it has trained on in it); at a resume with another worker count the rest of that epoch is
+shared by the new workers, then full epochs follow with the new shard plan. `ElasticLoader` is
+that stream and owns the epoch counter. Why a fixed-size resume does not carry over, and how
+the loader meets transformers' epochs: docs/data.md.
 
 Fixed-size runs keep the plain `ShardLoader` and its resume.
 """

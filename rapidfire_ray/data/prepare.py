@@ -6,7 +6,7 @@ workers by `sharding.ExactSplitDataConfig`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -17,18 +17,13 @@ from ray.data.expressions import col
 from ..errors import RapidfireError
 from .preference import NAME as PREFERENCE, PAIR_COLUMNS, PreferenceTokenizer
 from . import rows
+from .row_report import BAD_ROW_EXAMPLES, RowReport, read_records
 from .sources import list_data_files
 from .tokenize import SFTTokenizer, tokenize_batch
 
-BAD_ROW_EXAMPLES = 5
-
 
 @dataclass
-class DataReport:
-    files: list[str]
-    rows_read: int = 0
-    bad_rows: int = 0
-    bad_examples: list[dict] = field(default_factory=list)
+class DataReport(RowReport):
     empty_after_truncation: int = 0
     rows: int = 0
     truncated_rows: int = 0
@@ -39,17 +34,12 @@ class DataReport:
     def describe(self) -> str:
         line = (f"data: {self.rows} rows, {self.tokens} tokens ({self.trained_tokens} trained on) from "
                 f"{len(self.files)} file(s); {self.truncated_rows} truncated")
-        if self.bad_rows:
-            first = self.bad_examples[0]
-            line += f"; skipped {self.bad_rows} bad row(s), e.g. {first['source']}: {first['error']}"
+        line += self.bad_rows_note()
         if self.dropped_overlong:
             line += f"; dropped {self.dropped_overlong} row(s) longer than data.max_length (data.overlong: drop)"
         if self.empty_after_truncation:
             line += f"; skipped {self.empty_after_truncation} row(s) with nothing to train on within data.max_length"
         return line
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def build_sft_dataset(cfg, num_cpus: int = 1, path: str | None = None, key: str = "data.path"):
@@ -60,22 +50,11 @@ def build_sft_dataset(cfg, num_cpus: int = 1, path: str | None = None, key: str 
     path = d.path if path is None else path
     files = list_data_files(path)
     report = DataReport(files=files)
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = False
-
-    records = (ray.data.read_binary_files(files, include_paths=True)
-               .flat_map(partial(rows.parse, fmt=d.format))
-               .materialize())
+    records = read_records(files, d.format)
     report.rows_read = records.count()
     bad = records.filter(expr=col("error") != "")
-    report.bad_rows = bad.count()
-    if report.bad_rows:
-        report.bad_examples = [{"source": r["source"], "error": r["error"]} for r in bad.take(BAD_ROW_EXAMPLES)]
-        if d.on_bad_row == "fail":
-            first = report.bad_examples[0]
-            raise RapidfireError(f"{key}: bad row {first['source']}: {first['error']} ({report.bad_rows} bad "
-                                 "row(s) in all); fix the row or set data.on_bad_row=skip to skip bad rows")
+    bad_rows = bad.count()
+    report.record_bad_rows(bad_rows, bad.take(BAD_ROW_EXAMPLES) if bad_rows else [], d.on_bad_row, key)
 
     # Spread the rows over enough blocks that tokenisation runs on several CPUs.
     blocks = max(1, min(4 * num_cpus, report.rows_read // 512 + 1))

@@ -16,7 +16,7 @@ model).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -25,8 +25,7 @@ import ray.data
 from ray.data.expressions import col
 
 from ..errors import RapidfireError
-
-BAD_ROW_EXAMPLES = 5
+from .row_report import RowReport
 
 
 def normalise_prompt(obj: dict) -> dict:
@@ -68,26 +67,15 @@ def row_columns(record: dict) -> dict[str, Any]:
 
 
 @dataclass
-class PromptReport:
-    files: list[str]
-    rows_read: int = 0
-    bad_rows: int = 0
-    bad_examples: list[dict] = field(default_factory=list)
+class PromptReport(RowReport):
     overlong_prompts: int = 0
     rows: int = 0
     prompt_tokens: int = 0
     budget: int = 0
 
     def describe(self) -> str:
-        line = (f"prompts: {self.rows} rows ({self.prompt_tokens} prompt tokens) from {len(self.files)} file(s); "
-                f"prompt budget {self.budget} tokens")
-        if self.bad_rows:
-            first = self.bad_examples[0]
-            line += f"; skipped {self.bad_rows} bad row(s), e.g. {first['source']}: {first['error']}"
-        return line
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        return (f"prompts: {self.rows} rows ({self.prompt_tokens} prompt tokens) from {len(self.files)} file(s); "
+                f"prompt budget {self.budget} tokens") + self.bad_rows_note()
 
 
 class PromptMeasure:
@@ -132,18 +120,14 @@ def build_prompt_dataset(cfg, path: str, *, num_cpus: int = 1, what: str = "data
     ``source``, ``prompt``, ``messages``, ``extra`` and ``prompt_tokens``."""
     from ..rl.rules import NEEDS
     from . import rows
+    from .row_report import read_records
     from .sources import list_data_files
     from .tokenize import tokenize_batch
 
     files = list_data_files(path)
     budget = cfg.data.max_length - cfg.rl.max_new_tokens
     report = PromptReport(files=files, budget=budget)
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = False
-    records = (ray.data.read_binary_files(files, include_paths=True)
-               .flat_map(partial(rows.parse, fmt="prompt"))
-               .materialize())
+    records = read_records(files, "prompt")
     report.rows_read = records.count()
     parse_bad = records.filter(expr=col("error") != "")
     needs = {fn: NEEDS[fn] for fn in cfg.rl.reward.functions if fn in NEEDS}
@@ -158,14 +142,7 @@ def build_prompt_dataset(cfg, path: str, *, num_cpus: int = 1, what: str = "data
     measured_bad = measured.filter(expr=col("error") != "").select_columns(["source", "error", "prompt_tokens"])
     bad_measured = measured_bad.take_all()
     report.overlong_prompts = sum(1 for r in bad_measured if r["prompt_tokens"] > budget)
-    report.bad_rows = len(bad) + len(bad_measured)
-    if report.bad_rows:
-        report.bad_examples = [{"source": r["source"], "error": r["error"]}
-                               for r in (bad + bad_measured)[:BAD_ROW_EXAMPLES]]
-        if cfg.data.on_bad_row == "fail":
-            first = report.bad_examples[0]
-            raise RapidfireError(f"{what}: bad row {first['source']}: {first['error']} ({report.bad_rows} bad row(s) "
-                                 "in all); fix the row or set data.on_bad_row=skip to skip bad rows")
+    report.record_bad_rows(len(bad) + len(bad_measured), bad + bad_measured, cfg.data.on_bad_row, what)
     ds = (measured.filter(expr=col("error") == "")
           .map_batches(partial(rows.order_key, seed=cfg.run.seed), batch_size=1024)
           .sort("order")

@@ -1,41 +1,12 @@
 """The two-phase compressed allreduce of 1-bit Adam (arXiv 2102.02888), for any codec.
 
-Every rank holds a tensor x_r of the same size; all ranks get back the same approximation of
-mean_r(x_r). Layout: the flat tensor is padded with zeros to `padded = world_size * m` elements,
-m a multiple of `ALIGN` (8: each rank's chunk then starts on a whole byte of packed bit codes),
-and cut into world_size chunks of m elements; rank j is the "server" of chunk j.
+Every rank holds a tensor of the same size and gets back the same approximation of the mean:
+phase 1 each rank encodes its chunks (worker error feedback) and sends chunk j to rank j;
+phase 2 rank j averages chunk j, encodes it (server error feedback) and all ranks all-gather
+the results. 2 * (n-1) * codec.wire_bytes(m) bytes sent per rank and call. Non-finite input
+raises NonFiniteGradient before any communication. World size 1: phase 1 alone.
 
-Phase 1 (workers). c_r = x_r + worker_error_r; each chunk c_r[j] is encoded on its own
-(`codec.encode`, so each chunk has its own scales and, for 2bit, its own top-k);
-worker_error_r = c_r - decode(all chunks). Chunk j goes to rank j by point-to-point sends
-(`batch_isend_irecv`; gloo has no all_to_all), so rank j receives only its own chunk from each
-peer: (n-1) payloads of `codec.wire_bytes(m)` bytes sent and received per rank.
-
-Phase 2 (servers). Rank j decodes the n copies of chunk j (its own from its local decode),
-averages them (sum in rank order, then / n), adds server_error_j, encodes,
-server_error_j = that - decode; the encoded server chunks (all `wire_bytes(m)` bytes) are
-all-gathered, and every rank decodes and concatenates them and drops the padding. Every rank
-decodes the same bytes with the same code, so the result is identical on every rank.
-
-Bytes per rank and call: 2 * (n-1) * codec.wire_bytes(m) sent, the same received.
-
-Padding: padded positions are kept exactly zero at both phases (their errors are zeroed, and
-the server average is zeroed there before encoding), so they never feed back; they still count
-as elements in the codecs' per-chunk scales (a short, zero tail in the last chunk). Exact zeros
-are encoded as +scale by 1bit and +A*scale by 2bit (the 1-bit Adam convention); error feedback
-carries the difference to the next call.
-
-Error feedback telescopes: summed over calls, the outputs equal the sum of the true averages
-minus (mean over ranks of the final worker errors + the final server errors, concatenated),
-element by element.
-
-Non-finite input raises NonFiniteGradient before any communication and without touching the
-state. Callers on several ranks must agree on finiteness first (the DDP hook does), or the
-other ranks wait in the exchange. Finite values whose sum with the error would overflow float32
-are clamped to +-float32 max rather than becoming inf.
-
-World size 1 (or torch.distributed not initialised): phase 1 alone, with the worker error
-(compress + decompress with error feedback), no collective.
+Layout, padding, the error-feedback identity and overflow handling: docs/exchange.md.
 """
 from __future__ import annotations
 
@@ -175,7 +146,7 @@ def compressed_allreduce(tensor: torch.Tensor, codec: Codec, state: AllreduceSta
 
     Every rank must call it with the same numel, codec and group, in the same order. `state`
     holds this slot's error feedback and is updated only when the call succeeds. NaN/inf in
-    `tensor` raise NonFiniteGradient before any communication (see the module docstring)."""
+    `tensor` raise NonFiniteGradient before any communication (docs/exchange.md)."""
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise TypeError(f"compressed_allreduce: expected a floating-point tensor, got "
                         f"{getattr(tensor, 'dtype', type(tensor).__name__)}")

@@ -36,6 +36,7 @@ class GradientExchange(ABC):
         self.timer = timer  # telemetry.timing.StepTimer: told the exchange's in-flight intervals
         self.stats = CommStats()
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
+        self._pending_state: dict | None = None  # loaded before `_state_part()` existed
 
     # --- the trainer's seams ----------------------------------------------------------------
 
@@ -126,12 +127,40 @@ class GradientExchange(ABC):
 
     # --- checkpoints ------------------------------------------------------------------------
 
+    #: Key of this mode's state in `state_dict()`; None: nothing to save.
+    state_key: str | None = None
+
+    def _state_part(self):
+        """The part whose state this mode saves under `state_key` (hook state, optimizer, PS
+        client), or None while it is not built yet."""
+        return None
+
+    def _save_part(self, part) -> dict:
+        return part.state_dict()
+
+    def _load_part(self, part, state: dict) -> None:
+        part.load_state_dict(state)
+
+    def _part_built(self) -> None:
+        """`_state_part()` exists now: apply a state loaded before it did."""
+        pending, self._pending_state = self._pending_state, None
+        if pending is not None:
+            self._load_part(self._state_part(), pending)
+
     def state_dict(self) -> dict:
         """This rank's state (error feedback); {}: nothing to save."""
-        return {}
+        part = self._state_part()
+        return {self.state_key: self._save_part(part)} if self.state_key and part is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`'s keys this mode knows (applied once its parts exist)."""
+        """Restore `state_dict()`'s key this mode knows (applied once its part exists)."""
+        if self.state_key is None or self.state_key not in state:
+            return
+        part = self._state_part()
+        if part is not None:
+            self._load_part(part, state[self.state_key])
+        else:
+            self._pending_state = state[self.state_key]  # applied by `_part_built()`
 
     def state_file(self, checkpoint_dir: str) -> str:
         return os.path.join(checkpoint_dir, f"comm_state_rank{self.rank}.pt")

@@ -14,11 +14,12 @@ from .policy import CompressionPolicy
 
 
 class CompressedExchange(GradientExchange):
+    state_key = "hook"
+
     def __init__(self, compression: dict, *, rank: int, on_nonfinite: str = "skip", timer=None):
         super().__init__(rank=rank, on_nonfinite=on_nonfinite, timer=timer)
         self.compression = dict(compression)
         self.hook_state: HookState | None = None
-        self._pending_state: dict | None = None
         self._auto_counts: dict | None = None
 
     def register(self, ddp_model) -> None:
@@ -26,9 +27,7 @@ class CompressedExchange(GradientExchange):
         policy = CompressionPolicy(c["grad"], keep_fp16=list(c["keep_fp16"]), min_numel=c["min_numel"],
                                    chunk_size=c["chunk_size"], auto_interval=c["auto_interval"])
         self.hook_state = HookState(ddp_model.module.named_parameters(), policy, stats=self.stats, timer=self.timer)
-        if self._pending_state is not None:
-            self.hook_state.load_state_dict(self._pending_state)
-            self._pending_state = None
+        self._part_built()  # a state loaded before the first step
         ddp_model.register_comm_hook(self.hook_state, compressed_allreduce_hook)
 
     def _nonfinite_before_step(self, optimizer, model) -> list[str] | None:
@@ -61,13 +60,5 @@ class CompressedExchange(GradientExchange):
             self._auto_counts = counts
         return out
 
-    def state_dict(self) -> dict:
-        return {"hook": self.hook_state.state_dict()} if self.hook_state is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "hook" not in state:
-            return
-        if self.hook_state is not None:
-            self.hook_state.load_state_dict(state["hook"])
-        else:
-            self._pending_state = state["hook"]  # applied when the hook is registered (first step)
+    def _state_part(self) -> HookState | None:
+        return self.hook_state

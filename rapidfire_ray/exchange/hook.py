@@ -7,37 +7,10 @@
         ...skip the step (the bucket gradients are already zero on every rank); state.nonfinite.clear()
     metrics.update(state.stats.take())
 
-Per bucket:
-1. The bucket's parameters are named (by identity with `named_parameters`) and located in the
-   bucket buffer (each gradient from `bucket.gradients()` is a view into `bucket.buffer()`;
-   its offset is taken from the view).
-2. One small allreduce (SUM, float32) agrees across ranks on (a) whether any rank's bucket
-   holds NaN/inf and (b), on the steps where a `grad: auto` decision is due, the concentration
-   statistic of each such tensor (summed, then averaged), so every rank makes the same choice.
-3. Non-finite on any rank: a second small allreduce of per-parameter flags names the offending
-   parameters (from every rank); every rank zeroes the whole bucket, appends the names to
-   `state.nonfinite` and changes no error-feedback or auto-policy state. Nothing is encoded,
-   so nothing can raise on one rank only and leave the others waiting.
-4. Otherwise the parameters are grouped by codec (`policy`), in a fixed order:
-   `none`: plain averaging allreduce (divide, then sum, as torch's allreduce_hook);
-   `fp16`: divide, clamp to +-0.99*65504/world_size (so the fp16 sum cannot overflow to inf),
-   cast, allreduce in fp16, cast back (as torch's fp16_compress_hook, without error feedback);
-   `1bit`/`2bit`: the group's gradients, concatenated in bucket order, go through
-   `compressed_allreduce` with the error-feedback slot of that group's composition.
-   Results are written back into the bucket buffer, and the hook returns a completed future of
-   the buffer. The collectives are blocking: no overlap with the rest of backward.
-
-Error-feedback slots. One AllreduceState per composition: (codec, tuple of parameter names).
-DDP rebuilds its buckets after the first iteration, and an auto decision can move a tensor to
-another codec, so compositions change. A new composition takes over each parameter's worker
-error from the slot that held it (copied by name, so a residual is never dropped); the server
-error is per server chunk of a composition and starts fresh (one step's server rounding, of the
-averaged gradient, is lost). A slot whose every parameter has moved on is freed. The same
-happens after loading a checkpoint into a different world size (padded sizes differ).
-
-Bytes (see stats.py): the compressed allreduce counts its own payloads; plain and fp16
-allreduces count a ring allreduce's 2*(n-1)/n of their bytes; the agreement allreduce counts
-too (with no float32 equivalent: plain DDP does not send it). Latency: one call per bucket.
+Per bucket: one small agreement allreduce (NaN/inf anywhere, `auto` statistics), then the
+parameters grouped by codec (`policy`): none and fp16 as plain allreduces, 1bit/2bit through
+`compressed_allreduce` with one error-feedback slot per group composition. The steps, how
+slots follow DDP's bucket rebuilds, and how bytes are counted: docs/exchange.md.
 """
 import logging
 import time

@@ -11,13 +11,14 @@ from .base import GradientExchange
 
 
 class OneBitAdamExchange(GradientExchange):
+    state_key = "optimizer"
+
     def __init__(self, compression: dict, *, freeze_step: int | None, total_steps: int, rank: int,
                  on_nonfinite: str = "skip", timer=None):
         super().__init__(rank=rank, on_nonfinite=on_nonfinite, timer=timer)
         self.codec, self.chunk_size = compression["grad"], compression["chunk_size"]
         self.freeze_step = freeze_step or default_freeze_step(total_steps)
         self.optimizer: RapidfireAdamW | None = None
-        self._pending_state: dict | None = None
         self._skipped_before = 0
 
     def build_optimizer(self, named_groups: list[dict], args) -> RapidfireAdamW:
@@ -25,9 +26,7 @@ class OneBitAdamExchange(GradientExchange):
                                         eps=args.adam_epsilon, weight_decay=args.weight_decay,
                                         freeze_step=self.freeze_step, codec=self.codec, chunk_size=self.chunk_size,
                                         stats=self.stats)
-        if self._pending_state is not None:
-            self.optimizer.load_allreduce_state_dict(self._pending_state)
-            self._pending_state = None
+        self._part_built()
         return self.optimizer
 
     def register(self, ddp_model) -> None:
@@ -52,14 +51,12 @@ class OneBitAdamExchange(GradientExchange):
             return None
         return "optimizer" if self.optimizer.steps > self.optimizer.freeze_step else "backward"
 
-    def state_dict(self) -> dict:
-        # optimizer.pt holds rank 0's error feedback only: every rank's buffers differ.
-        return {"optimizer": self.optimizer.allreduce_state_dict()} if self.optimizer is not None else {}
+    def _state_part(self) -> RapidfireAdamW | None:
+        return self.optimizer
 
-    def load_state_dict(self, state: dict) -> None:
-        if "optimizer" not in state:
-            return
-        if self.optimizer is not None:
-            self.optimizer.load_allreduce_state_dict(state["optimizer"])
-        else:
-            self._pending_state = state["optimizer"]
+    def _save_part(self, part: RapidfireAdamW) -> dict:
+        # optimizer.pt holds rank 0's error feedback only: every rank's buffers differ.
+        return part.allreduce_state_dict()
+
+    def _load_part(self, part: RapidfireAdamW, state: dict) -> None:
+        part.load_allreduce_state_dict(state)

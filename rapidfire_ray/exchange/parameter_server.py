@@ -83,6 +83,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
 class ParameterServerExchange(GradientExchange):
     has_process_group = False
+    state_key = "ps_client"
 
     def __init__(self, communication: dict, optimizer: dict, shards: list, *, num_workers: int, rank: int,
                  total_steps: int, timer=None):
@@ -100,7 +101,6 @@ class ParameterServerExchange(GradientExchange):
         self.lr_divisor = int(num_workers) if ps["lr_per_push"] == "mean" else 1
         self.client: PSClient | None = None
         self.optimizer: ParameterServerOptimizer | None = None
-        self._pending_state: dict | None = None
         self._states: list[dict] | None = None  # rank 0: shard states installed for the next checkpoint
         self._skipped_before = 0
 
@@ -114,9 +114,7 @@ class ParameterServerExchange(GradientExchange):
         self.client = PSClient(named, self.shards, codec=self.codec, codec_opts=self.codec_opts,
                                max_staleness=self.max_staleness, worker_id=f"rank{self.rank}", stats=self.stats,
                                freeze_step=self.freeze_step)
-        if self._pending_state is not None:
-            self.client.load_state_dict(self._pending_state)
-            self._pending_state = None
+        self._part_built()
         self.optimizer = ParameterServerOptimizer(named_groups, self.client, lr=args.learning_rate,
                                                   lr_divisor=self.lr_divisor)
         return self.optimizer
@@ -170,16 +168,8 @@ class ParameterServerExchange(GradientExchange):
                 "ps_bytes_pulled": last["bytes_received"], "ps_staleness": last["staleness"],
                 "ps_push_kind": last["kind"]}
 
-    def state_dict(self) -> dict:
-        return {"ps_client": self.client.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "ps_client" not in state:
-            return
-        if self.client is not None:
-            self.client.load_state_dict(state["ps_client"])
-        else:
-            self._pending_state = state["ps_client"]
+    def _state_part(self) -> PSClient | None:
+        return self.client
 
     def save(self, checkpoint_dir: str) -> str:
         """Rank 0 writes the shard states and its client state into the trainer's checkpoint;

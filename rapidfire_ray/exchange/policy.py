@@ -17,21 +17,9 @@ Rules, in order:
 3. `grad` "1bit" or "2bit": that codec.
 4. `grad` "auto": per tensor, from its gradient, re-decided every `auto_interval` steps.
 
-Auto choice. The statistic is the concentration: the share of the gradient's L2 mass (sum of
-squares) held by its largest 1% of entries (by magnitude). A dense Gaussian-like gradient has
-about 0.085 (the top 1% of a normal distribution holds ~8.5% of its variance); a gradient
-dominated by a few large entries (embedding rows of the tokens in the batch, outlier features)
-approaches 1. At or above `auto_threshold` (default 0.5: over half the mass in 1% of the
-entries) the tensor is "concentrated" and gets `2bit`; otherwise `1bit`.
-
-Why this way round (the issue text proposed the opposite: 1-bit for concentrated gradients,
-2-bit+sparse for dense ones): the 2bit codec sends its largest 1% of entries exactly (int32
-index + float32 value) and quantises the rest against a scale computed without them, which is
-exactly what a concentrated gradient needs: its few large entries arrive intact. The 1bit codec
-sends one magnitude per chunk of 2048; a few large entries would be smeared over their whole
-chunk (every element gets +-mean|x|, mostly the large entries' contribution), and error
-feedback would spend many steps paying the difference back. A dense gradient, whose mass is
-spread evenly, loses little to sign + one scale per chunk, and there 1bit is 2x cheaper.
+Auto choice: the concentration (share of the gradient's L2 mass in its largest 1% of
+entries) at or above `auto_threshold` (default 0.5) gets `2bit`, else `1bit`. What the
+statistic measures and why concentrated gradients get 2bit: docs/exchange.md.
 
 Across ranks. Each rank measures its own gradient, so the choice must be agreed or ranks would
 group tensors differently and the collectives would not match. The DDP hook sums the

@@ -3,43 +3,12 @@
 The mechanism is `torch.autograd.graph.saved_tensors_hooks`: every tensor an op saves for backward goes through
 `pack`, which may store something smaller, and `unpack` rebuilds it when backward needs it.
 
-The int8 code. A saved float tensor (fp32, bf16, fp16) becomes int8 with symmetric absmax scales, one per block
-of `block` (32) consecutive elements of a last-dim row, or one per row when the last dim is not a multiple of
-`block` (scales of shape `t.shape[:-1] + (n // block, 1)`). Scales are bf16 (2 bytes): an fp32 activation costs
-1.0625 bytes instead of 4 (0.27x), a bf16 one 1.0625 instead of 2. Each element comes back within half its
-block's scale (absmax / 254; the bf16 rounding of the scale is at most 2^-8 of it, so the block's largest element
-still maps to 127); an all-zero block comes back zeros, a block holding inf or NaN comes back all non-finite (so
-a non-finite step is still seen as one). Blocks rather than whole rows: hidden and MLP rows are heavy-tailed (the
-MLP's silu(gate) * up peaks at ~6.5 sigma in a row of 256), and in our tests one scale per row moved the MLP
-weights' gradients by 1.1-1.4%, blocks of 32 by under 0.9%, for 1/16 more bytes. `unpack` returns a new tensor of
-the original dtype, shape, device and, for dense tensors, strides (anything else comes back contiguous).
-
-What is kept as it is (stored exactly, no copy):
-- parameters and forms of them: a parameter, a view of one, a tensor sharing storage with a parameter of the
-  `exclude`d modules, or one computed from a single parameter alone in at most three ops with as many elements
-  (a transpose, autocast's 16-bit copy of a weight). Weights saved by linear layers stay exact. (A frozen
-  weight that autocast recasts on every use is a plain new tensor and is not recognised.);
-- tensors that do not require grad: constants and side outputs (rotary cos/sin, attention masks that may hold
-  -inf, the attention's log-sum-exp, which backward feeds to `exp` and so needs absolute precision);
-- tensor subclasses (DTensor, float8 tensors: no storage of their own to read; not counted in the stats);
-- non-float and fp64 tensors, tensors under `min_numel` elements, and tensors int8 would not make at least a
-  third smaller (a norm's per-token statistic with its last dim of 1, a broadcast view wider than its storage).
-
-One tensor saved by several ops (a linear input read by the q, k and v projections; a norm's input) is compressed
-once: payloads are shared per (storage, view, version) through weak references, so nothing outlives the graphs
-that use it and a storage freed and reused is never mistaken for the old one. Two different views of one storage
-(the attention output as (B, H, T, D) and as the o_proj input) get a payload each.
-
-Where it is sound. Inside a transformer's decoder layers the saved tensors are hidden states, projections,
-attention inputs and outputs and MLP activations, and int8 moves gradients by about 1% at most. Outside them is
-the loss head: the fp32 log-softmax of the logits is read back by the loss gradient as `exp(log p)`; a trained
-model's log-probabilities reach -30 and below, where half an int8 step (absmax / 254) is 0.12 in log space, a
-12% error on a probability. The training integration (`Int8Activations.attach`) therefore compresses only within
-the decoder layers (modules that are `transformers.modeling_layers.GradientCheckpointingLayer`, else
-`model.model.layers`), leaving the embedding output, final norm and head as they are. It composes with gradient
-checkpointing of some layers (a checkpointed layer saves only its input, which is compressed too; the recompute
-runs in backward, outside these hooks) and with DDP-wrapped models. `optimized_graph` does the same in users'
-own training loops.
+A saved float tensor becomes int8 with a bf16 absmax scale per block of 32 elements of a
+last-dim row (1.0625 bytes per element); parameters and their forms, tensors that do not
+require grad, subclasses and small or non-float tensors are kept exact; a tensor saved by
+several ops is compressed once. `Int8Activations.attach` compresses only inside the decoder
+layers (the loss head needs exact log-probabilities). The code's error bounds, what is kept and
+why, and where it is sound: docs/memory.md.
 """
 from __future__ import annotations
 
@@ -214,7 +183,7 @@ class _Packer:
 def int8_saved_tensors(*, min_numel: int = MIN_NUMEL, block: int = BLOCK, stats: ActivationStats | None = None,
                        exclude: Iterable[torch.nn.Module | torch.Tensor] = ()
                        ) -> torch.autograd.graph.saved_tensors_hooks:
-    """A context manager compressing the tensors saved for backward inside it (see the module docstring for what
+    """A context manager compressing the tensors saved for backward inside it (docs/memory.md says what
     is kept). `exclude`: modules (their parameters and buffers) or tensors whose storage is kept exact; parameters
     are recognised without it too, unless used through `.data` or `.detach()`."""
     return _Packer(min_numel=min_numel, block=block, stats=stats, exclude=exclude).hooks
@@ -311,7 +280,7 @@ def optimized_graph(model: torch.nn.Module | None = None, *, act: str | None = "
     (`loss.backward()` may be inside or after). Yields `stats`.
 
     With a model, `act="int8"` compresses the activations saved inside its decoder layers only: the loss head's
-    fp32 log-softmax must stay exact (see the module docstring); the embedding and final norm cost little.
+    fp32 log-softmax must stay exact (docs/memory.md); the embedding and final norm cost little.
     `checkpoint=True` also checkpoints every decoder layer (non-reentrant, in training mode) for the duration,
     through `memory.checkpointing.apply_checkpointing` (which also turns the model's KV cache off, for good).
     Without a model, every saved float tensor that is not a parameter (nor a constant) is compressed: only safe

@@ -1,26 +1,10 @@
 """Selective gradient checkpointing: checkpoint only as many decoder blocks as the memory budget needs.
 
-The rule: the number of checkpointed blocks is the smallest k in [0, num_layers] for which the memory model's
-estimated peak of a step, `MemoryModel(checkpointed_layers=k).peak_bytes(rows, width)` (fixed state included),
-is within the budget. The peak falls as k grows (a checkpointed block keeps only its input instead of all it
-saves for backward), so the first k that fits is the cheapest: every block checkpointed costs one more forward of
-that block in the backward. When even k = num_layers does not fit, the plan says so (`fits=False`) and the caller
-decides: stop with an error, or train anyway and let the step's OOM backoff shrink the batch.
-
-Placement: the k blocks are spread evenly over the stack (0, L/k, 2L/k, ...). In a uniform decoder every block
-saves the same activations, and all of them live from that block's forward until the backward reaches it, so at
-the start of the backward (the peak) they are all alive together: the peak depends on how many blocks are
-checkpointed, not on which. Spreading them spreads the recompute through the backward instead of bunching it at
-one end of it. (A recompute re-materialises one block's activations at a time, when the backward reaches that
-block; by then the logits, their gradient and the saved activations of the blocks above are freed, which for real
-vocabularies is more than one block, so the recompute does not raise the peak the memory model estimates.)
-
-Applying a plan uses transformers' own per-layer switch: every decoder block is a `GradientCheckpointingLayer`
-with its own `gradient_checkpointing` flag. `activation_checkpointing_enable` (the 5.x name of
-`gradient_checkpointing_enable`) sets the flag and the (non-reentrant) checkpoint function on all of them, and
-turns on the model-level flag under which HF drops the KV cache in training; the flags of the blocks not chosen are
-then cleared. The flags live on the block modules, so they survive a later DDP wrap (DDP wraps the same modules)
-and non-reentrant checkpointing works under DDP with `find_unused_parameters=False`.
+The plan checkpoints the smallest k blocks for which the memory model's peak fits the budget
+(`fits=False` when even all do not), spread evenly over the stack, and is applied with
+transformers' per-layer `gradient_checkpointing` flags. Why the first k that fits is the
+cheapest, why the placement does not change the peak, and how the flags survive DDP:
+docs/memory.md.
 """
 from __future__ import annotations
 

@@ -4,22 +4,9 @@
 model's fixed state, divided by the cost of one sample at the batch's padded width), and the run
 summary prints its estimate next to the memory actually used, so the model can be checked.
 
-Fixed state, counted once: weights, gradients, AdamW's two fp32 moments, an fp32 master copy when
-weights are in 16 bits, and DDP's gradient buckets when there is more than one worker.
-
-Activations, per token, are what autograd saves for backward in a Llama-style decoder
-(measured with `saved_tensors_hooks` on this stack; `tests/memory` checks the formula against
-that measurement on random models):
-- per layer: two RMSNorms (input, normalised, scaled: 3h + 1 each), attention (q, k and v
-  repeated to all heads, output: 4h, plus a log-sum-exp per head), the gated MLP (gate, up,
-  act(gate), product: 4f);
-- after the layers: the final norm (3h + 1) and the fp32 log-softmax of the logits (V x 4 bytes),
-  token ids and labels (16 bytes);
-- per batch: two float attention masks of width^2 per row (2 x width per token);
-- eager attention also keeps the attention probabilities (heads x width per token per layer).
-The step's peak adds what lives only around the loss: the logits returned to the trainer
-(V x activation bytes) and their gradient (V x 4 bytes).
-Layers under gradient checkpointing save only their input (h per token).
+Fixed state (weights, gradients, AdamW moments, fp32 master copy, DDP buckets) is counted
+once; activations per token follow what autograd saves in a Llama-style decoder. The
+per-token formula and what it counts: docs/memory.md.
 """
 from __future__ import annotations
 

@@ -9,12 +9,8 @@
 | > 20B      | fp8 where the GPU has it (compute capability 8.9+ and     | same                          |
 |            | torchao installed), else bf16, saying why                 |                               |
 
-On CPU, bf16 autocast only pays with AMX tiles (Sapphire Rapids and later); elsewhere (AVX-512
-bf16 included) fp32 is as fast and exact, so `auto` keeps fp32 there. Weights, gradients and
-optimizer state stay fp32 in every mode (mixed precision): the chosen type is what matmuls and
-saved activations use. fp16 uses dynamic loss scaling (transformers' GradScaler). fp8 swaps the
-linear layers of the decoder for torchao's Float8Linear (dynamic per-tensor scales, e4m3
-forward, e5m2 gradients) and keeps bf16 autocast for the rest; the output head stays in bf16.
+Weights, gradients and optimizer state stay fp32 in every mode (mixed precision). Why `auto`
+keeps fp32 on CPU without AMX, and how fp16 and fp8 are applied: docs/memory.md.
 
 An explicit request the hardware cannot honour is an error naming the key and what to use
 instead, never a silent fallback; `auto` falls back and logs the reason.

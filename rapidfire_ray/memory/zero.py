@@ -1,24 +1,9 @@
 """DeepSpeed ZeRO-3 for memory level3 and `scaling.hybrid_parallel`, through the transformers
 Trainer's `deepspeed=` argument (TRL trainers accept it as is).
 
-ZeRO-3 shards parameters, gradients and optimizer state over the workers; each layer's
-parameters are gathered for its forward and backward and released after. On CPU workers
-DeepSpeed picks its CPU accelerator (gloo, the process group Ray Train already started); on GPUs
-NCCL. What this module adds around DeepSpeed 0.19.8:
-- the config (`deepspeed_config`): stage 3, the 16-bit gathered weights saved with each
-  checkpoint so the final model loads with `from_pretrained`, optional optimizer offload to CPU
-  (GPU workers only: on CPU workers the state is in CPU memory already), and for
-  `hybrid_parallel` ZeRO++ hierarchical partitioning (hpZ: a node-local secondary copy of the
-  parameters, so the backward pass gathers them within the node; DeepSpeed 0.19.8 removed MiCS,
-  its replicate-across-nodes sharding);
-- `prepare_process()`: two fixes for CPU workers, applied before the engine starts:
-  DeepSpeed 0.19.8 compares a tensor's device with the *string* 'cpu' when it decides whether
-  the fp32 master partition can share the parameter partition's storage, so on CPU it keeps a
-  second fp32 copy of every partition (a third more memory per worker); and its torch backend
-  compiles a shared-memory all-reduce op for inference on first use (about 50 s with g++), which
-  training never calls;
-- `held_bytes`: what one worker really holds (parameter partitions, gathered persistent
-  parameters, fp32 master copies that are separate tensors, optimizer state), for the summary.
+`deepspeed_config` (stage 3, 16-bit weights saved with each checkpoint, optional CPU offload,
+hpZ for `hybrid_parallel`), `prepare_process()` (two DeepSpeed 0.19.8 fixes for CPU workers)
+and `held_bytes` (what one worker really holds). What the fixes are and why: docs/memory.md.
 """
 from __future__ import annotations
 
@@ -51,7 +36,7 @@ def deepspeed_config(options: MemoryOptions, *, local_world_size: int, use_gpu: 
 
 
 def prepare_process(use_gpu: bool) -> None:
-    """The CPU fixes described in the module docstring (idempotent), then DeepSpeed's view of the
+    """The CPU fixes described in docs/memory.md (idempotent), then DeepSpeed's view of the
     process group Ray Train started: it must exist before the model is built, so that transformers
     builds it already partitioned (zero.Init) instead of whole on every worker."""
     import deepspeed

@@ -90,14 +90,18 @@ def _vocab_size() -> int:
     return 256 + len(SPECIAL_TOKENS)
 
 
+def _seeded(model_cls, config):
+    """`model_cls(config)` with its weights drawn from SEED (the caller's RNG is kept)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        return model_cls(config)
+
+
 def build_model(dtype: torch.dtype = torch.float32):
     """The tiny model, seeded so two builds give identical weights (the caller's RNG is kept)."""
     from transformers import LlamaForCausalLM
 
-    config = build_config(_vocab_size())
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config)
+    model = _seeded(LlamaForCausalLM, build_config(_vocab_size()))
     model = model.to(dtype)
     model.eval()  # the same state from_pretrained leaves a model in
     return model
@@ -110,9 +114,7 @@ def build_reward_model(dtype: torch.dtype = torch.float32):
 
     config = build_config(_vocab_size())
     config.num_labels = 1
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        model = LlamaForSequenceClassification(config)
+    model = _seeded(LlamaForSequenceClassification, config)
     model.model.load_state_dict(build_model(torch.float32).model.state_dict())
     model = model.to(dtype)
     model.eval()

@@ -7,32 +7,10 @@
         loss = model(batch).backward()
         client.push_and_pull({n: p.grad for n, p in model.named_parameters()})
 
-`push_and_pull(grads)` encodes each partition's gradients with this worker's error feedback,
-pushes them to every shard at once (no waiting for other workers: each shard applies the
-update as it arrives), then pulls each shard's compressed delta since what this worker holds
-and adds it to the local parameters, in place. That pull is also the admission to the next
-step (see `shard.py`): when this worker is too far ahead for another worker's push to stay
-within `max_staleness`, the shard refuses and the client waits and asks again (`wait_s`), so
-the staleness of every applied update stays within the bound. The staleness of each push
-comes back with its acknowledgement and is reported.
-
-rapidfire_adamw (`freeze_step` given): the first `freeze_step` pushes carry exact float32 gradients
-(the shards run AdamW on them); then the client takes the shards' momentum and frozen
-preconditioner sqrt(v_hat) + eps once (`ParameterShard.preconditioner`), keeps its own momentum
-and pushes its AdamW update m_hat / denom in the codec with error feedback (`kind="update"`),
-which the shards apply with the learning rate and weight decay. The momentum, denominator and
-step count are part of `state_dict()`; a worker restarted without it warms up again.
-
-Shards are acquired in index order (all at once first; on a refusal the later ones are
-released and taken again in order), which is what keeps several shards from deadlocking.
-
-Parameters that are not float32 (bf16 on GPU) get a float32 shadow here: deltas are added to
-the shadow and the parameter is copied from it, so the local copy stays exactly the server's
-mirror of it and rounding does not accumulate.
-
-`state_dict()`: the worker's error-feedback residuals and push sequence numbers; a restarted
-worker loads it (or not: `sync()` also takes the sequence numbers from the shards, so a worker
-that restarts under the same id is never mistaken for a retry).
+`push_and_pull(grads)` pushes this worker's compressed gradients to every shard, then pulls
+each shard's compressed delta into the local parameters; the pull also admits the worker to its
+next step under `max_staleness`. How it works (admission, rapidfire_adamw on the shards, shard
+order, float32 shadows, `state_dict()`): docs/parameter_server.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
 """The driver's side of `communication.mode: parameter_server`: start a run's shard actors, turn
 their final state into the run's final checkpoint, stop them.
 
-- Initial parameters: the driver builds the model once (`models.load_model`, seeded as the
-  workers are) and partitions its parameters by bytes. The workers' own copies are replaced by
-  their first (full) pull, so the shards' state is the only truth.
-- Placement: one shard per node by default (`communication.ps.num_shards: null`), with Ray's
-  SPREAD strategy, so on several nodes the shards are never all on one. The actors are named
-  `rapidfire-ps-<run name>-<i>`.
-- Snapshots: `<run dir>/ps_snapshots/shard-<i>.pt` every `snapshot_every` updates; a shard that
-  crashes is restarted by Ray and restores its latest snapshot (lost updates are counted). A
-  new run starts with none (a stale one from an earlier attempt would be restored); a resumed
-  run seeds them from the checkpoint it resumes (`ps_shard_<i>.pt`, saved by rank 0).
-- The end: when every worker has finished, the final checkpoint's model weights and shard
-  states are replaced by the shards' final state (rank 0 saved it before the other workers'
-  last pushes had landed), so the exported model is exactly the server's parameters.
+Initial parameters from one model built on the driver; one shard per node (SPREAD), actors
+named `rapidfire-ps-<run name>-<i>`; snapshots under `<run dir>/ps_snapshots/`; at the end the
+final checkpoint gets the shards' final state. Details: docs/parameter_server.md.
 """
 from __future__ import annotations
 
@@ -29,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import RapidfireError
 from ..models import load_model
 from ..checkpoints import refresh_manifest_entries
-from .shard import launch_shards, snapshot_path
+from .launch import launch_shards
+from .snapshots import snapshot_path
 from ..exchange.parameter_server import codec_options, shard_state_files
 
 

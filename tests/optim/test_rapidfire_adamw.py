@@ -410,7 +410,7 @@ def test_compressed_stage_bounds_each_element_update():
 
 @pytest.mark.timeout(150)
 def test_clip_uses_the_averaged_norm_in_warmup_and_a_common_estimate_in_the_compressed_stage(two_ranks):
-    from rapidfire_ray.optim.rapidfire_adamw import NORM_RATIO_BETA
+    from rapidfire_ray.optim.clipping import NORM_RATIO_BETA
 
     ranks = two_ranks["clip_with_ddp"]
     ema, samples = 0.0, 0
