@@ -301,13 +301,15 @@ def live(ray_cluster, tmp_path_factory):
         address = ray.get_runtime_context().gcs_address
         result["monitor"] = _monitor("--address", address, "--run", RUN, "--once", "--json")
         result["monitor_all"] = _monitor("--address", address, "--once", "--metrics", "throughput,comm_latency")
-        scraped = ""
+        # Every series seen while the run trains (a gauge leaves the endpoint with its worker process,
+        # so a scrape taken as the run ends may miss what earlier scrapes had).
+        samples: dict = {}
         while time.time() < deadline:
-            scraped = _scrape()
-            if EXPECTED <= set(_samples(scraped)):
+            samples.update(_samples(_scrape()))
+            if EXPECTED <= set(samples):
                 break
             time.sleep(1)
-        result["scraped"] = scraped
+        result["samples"] = samples
         thread.join(timeout=600)
     finally:
         os.environ.pop("RAPIDFIRE_DATA_DELAY_S", None)
@@ -347,7 +349,7 @@ def test_monitor_without_a_running_run_fails_in_one_line(live):
 
 
 def test_metrics_appear_on_the_endpoint_with_documented_names_and_labels(live):
-    samples = _samples(live["scraped"])
+    samples = live["samples"]
     present = set(samples)
     assert EXPECTED <= present, sorted(EXPECTED - present)
     assert present <= exported_names(), present - exported_names()
