@@ -80,9 +80,6 @@ class RunBoard:
         self._attempts += 1
         return self._attempts - 1
 
-    async def attempts(self) -> int:
-        return self._attempts
-
     async def report_elastic_start(self, attempt: int, start: dict) -> None:
         """An elastic worker group's start: its worker count, step, batch policy and position."""
         self._elastic_starts[attempt] = start
@@ -105,10 +102,8 @@ class RunBoard:
         return self._checkpoint_fallback
 
     async def note_preemption(self, notice: dict) -> None:
+        """A node's preemption notice and the step saved for it (kept with the run's facts)."""
         self._preemption = notice
-
-    async def preemption(self) -> dict | None:
-        return self._preemption
 
     async def report_worker_end(self, report: WorkerReport) -> None:
         """A rank has trained its last step (a restarted rank's report replaces its earlier one)."""
