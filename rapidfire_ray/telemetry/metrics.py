@@ -218,6 +218,7 @@ class WorkerMetrics:
         self._gauge("rapidfire_padding_fraction", (padded - tokens) / padded if padded else 0.0)
         self._gauge("rapidfire_memory_bytes", _current_memory_bytes())
         self._gauge("rapidfire_memory_peak_bytes", last.get("peak_memory_bytes"))
+        self.knobs(last.get("knobs") or {})  # again at every log step: a series recorded once can age out
         gpu = _gpu_utilization()
         if gpu is not None:
             self._gauge("rapidfire_utilization", gpu, device="cuda")
