@@ -35,7 +35,9 @@ def test_allreduce_compressed_trains_and_sends_fewer_bytes(ray_cluster, tmp_path
 
 
 def test_rapidfire_adamw_trains_and_resumes(ray_cluster, tmp_path):
+    # allreduce_compressed (the article's flag) with rapidfire_adamw: its compressed momentum exchange
     s = train(tmp_path, "onebit", "optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit",
+              "communication.mode=allreduce_compressed",
               "optimizer.params.freeze_step=2", "train.max_steps=4", "checkpoint.every_steps=2")
     assert s["final_loss"] < s["first_loss"], s["loss_history"]
     steps = [json.loads(line) for line in (tmp_path / "onebit" / "steps.jsonl").read_text().splitlines()]
@@ -51,5 +53,5 @@ def test_rapidfire_adamw_trains_and_resumes(ray_cluster, tmp_path):
     ours = torch.load(ckpt / "optimizer.pt", weights_only=True)["rapidfire_adamw"]
     assert ours["grad_norm_ratio_samples"] == 2 and 0 < ours["grad_norm_ratio_sq"] < 1
     resumed = train(tmp_path, "onebit", "optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit",
-                    "optimizer.params.freeze_step=2", "train.max_steps=6", "checkpoint.every_steps=2", resume=True)
+                    "communication.mode=allreduce_compressed", "optimizer.params.freeze_step=2", "train.max_steps=6", "checkpoint.every_steps=2", resume=True)
     assert resumed["start_step"] == 4 and resumed["steps"] == 6

@@ -61,10 +61,6 @@ def cross_checks(cfg: DictConfig) -> None:
                                  "allreduce; communication.mode parameter_server uses one codec for every tensor: "
                                  "use none, fp16, 1bit or 2bit")
     elif optimizer == "rapidfire_adamw":
-        if mode != "allreduce":
-            raise RapidfireError(f"communication.mode: {show(mode)} cannot be combined with optimizer.type "
-                                 "rapidfire_adamw (it exchanges compressed momentum itself, after a full-precision "
-                                 "warm-up); use communication.mode allreduce")
         if grad == "none":
             raise RapidfireError("optimizer.params.compression.grad: 'none' leaves rapidfire_adamw nothing to "
                                  "compress; set it to 1bit (the 1-bit Adam variant), 2bit or fp16, or use "
@@ -87,7 +83,7 @@ def cross_checks(cfg: DictConfig) -> None:
                              "memory.optim_level level2 (or lower) with parameter_server, or communication.mode "
                              "allreduce with ZeRO-3")
     if sharded and (mode != "allreduce" or optimizer == "rapidfire_adamw"):
-        chosen = f"communication.mode {mode}" if mode != "allreduce" else "optimizer.type rapidfire_adamw"
+        chosen = "optimizer.type rapidfire_adamw" if optimizer == "rapidfire_adamw" else f"communication.mode {mode}"
         raise RapidfireError(f"{zero3}: ZeRO-3 exchanges gradients inside DeepSpeed (reduce-scatter), so it cannot "
                              f"be combined with {chosen}; use communication.mode allreduce with optimizer.type "
                              "adamw, or memory.optim_level level2")

@@ -176,8 +176,9 @@ class TrainSection:
 @dataclass
 class CompressionSection:
     grad: str = field("none", "gradient codec on the wire (allreduce_compressed; parameter_server: pushes and "
-                              "pulled deltas), or rapidfire_adamw's momentum codec; auto picks 1bit or 2bit per "
-                              "tensor from its gradient statistics", choices=("none", "fp16", "1bit", "2bit", "auto"))
+                              "pulled deltas), or rapidfire_adamw's momentum codec (with communication.mode "
+                              "allreduce or allreduce_compressed: both mean its momentum exchange); auto picks "
+                              "1bit or 2bit per tensor from its gradient statistics", choices=("none", "fp16", "1bit", "2bit", "auto"))
     act: Optional[str] = field(None, "compression of activations saved for backward inside the decoder blocks "
                                      "(null: int8 from memory.optim_level level2 up, else none)",
                                choices=("none", "int8", None))

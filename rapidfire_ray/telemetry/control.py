@@ -201,7 +201,7 @@ def run_control(cfg, board):
     """The control actor for the run `cfg` describes (its monitor section, its initial knobs)."""
     knobs = {"data.prefetch_depth": cfg.data.prefetch_depth, "memory.max_forward_tokens": cfg.memory.max_forward_tokens}
     codec = cfg.optimizer.params.compression.grad
-    if codec_is_live(cfg.communication.mode, codec):
+    if codec_is_live(cfg.communication.mode, codec, cfg.optimizer.type):
         knobs[CODEC_KNOB] = codec
     return start_control(cfg.run.name, board, Settings.from_config(cfg), knobs,
                          world_size=worker_range(cfg)[1], every_steps=cfg.train.log_every_steps,

@@ -24,8 +24,13 @@ def test_the_articles_profile_loads_with_its_values():
     assert MemoryOptions.from_config(load_config(ARTICLE, ["memory.optim_level=level2"])).checkpointing
 
 
-def test_the_articles_command_line_is_refused_with_the_reason():
-    # `--memory_optim level3 --communication allreduce_compressed`: ZeRO-3 exchanges gradients itself.
+def test_the_articles_command_line_runs_and_level3_is_refused_with_the_reason():
+    # `--communication allreduce_compressed` with rapidfire_adamw: its compressed momentum exchange
+    cfg = load_config(ARTICLE, ["communication.mode=allreduce_compressed", "memory.optim_level=level2"])
+    assert cfg.communication.mode == "allreduce_compressed" and cfg.optimizer.type == "rapidfire_adamw"
+    # `--memory_optim level3`: ZeRO-3 exchanges gradients itself.
+    with pytest.raises(RapidfireError, match="cannot be combined with optimizer.type rapidfire_adamw"):
+        load_config(ARTICLE, ["memory.optim_level=level3", "communication.mode=allreduce_compressed"])
     with pytest.raises(RapidfireError, match="cannot be combined with communication.mode allreduce_compressed"):
         load_config(ARTICLE, ["memory.optim_level=level3", "optimizer.type=adamw",
                               "communication.mode=allreduce_compressed"])

@@ -188,9 +188,17 @@ def test_communication_combinations():
     assert load_config(None, ["optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit",
                               "optimizer.params.freeze_step=5"]).optimizer.params.freeze_step == 5
     assert "needs communication.mode allreduce_compressed" in error_of(None, ["optimizer.params.compression.grad=2bit"])
-    assert "cannot be combined with optimizer.type rapidfire_adamw" in error_of(
-        None, ["optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit",
-               "communication.mode=allreduce_compressed"])
+    # the article's pairing: with rapidfire_adamw, allreduce_compressed is its compressed momentum exchange
+    article = load_config(None, ["optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit",
+                                 "communication.mode=allreduce_compressed"])
+    from rapidfire_ray.exchange.factory import build_exchange
+    from rapidfire_ray.exchange.onebit_adam import OneBitAdamExchange
+    from rapidfire_ray.telemetry.rules import codec_is_live
+
+    plain = OmegaConf.to_container(article, resolve=True)
+    assert isinstance(build_exchange(plain["communication"], plain["optimizer"], rank=0, total_steps=10),
+                      OneBitAdamExchange)
+    assert not codec_is_live("allreduce_compressed", "1bit", "rapidfire_adamw")
     assert "leaves rapidfire_adamw nothing to compress" in error_of(None, ["optimizer.type=rapidfire_adamw"])
     assert load_config(None, ["communication.mode=parameter_server"]).communication.ps.max_staleness == 2
     assert "communication.on_nonfinite: 'warn' is not one of: skip, fail" in error_of(
