@@ -248,6 +248,8 @@ class AttachedHooks:
 
     def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module], packer: _Packer):
         self._packer = packer
+        self._counts_only = not packer.compress  # a SavedBytesCounter: nothing to do while not counting
+        self.enabled = True
         self._depth: dict[torch.nn.Module, int] = {}
         self._handles = [model.register_forward_pre_hook(self._refresh)]
         for layer in layers:
@@ -257,7 +259,15 @@ class AttachedHooks:
     def _refresh(self, model, args) -> None:
         self._packer.excluded = _storage_ptrs([model])
 
+    def count(self, stats: ActivationStats | None) -> None:
+        """Count saves into `stats` from the next forward on (None: stop counting; a counter's
+        hooks then stay out of the forward)."""
+        self._packer.stats = stats
+        self.enabled = stats is not None or not self._counts_only
+
     def _enter(self, layer, args) -> None:
+        if not self.enabled:
+            return
         self._packer.hooks.__enter__()
         self._depth[layer] = self._depth.get(layer, 0) + 1
 

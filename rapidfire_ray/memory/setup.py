@@ -13,8 +13,10 @@ Order inside a worker (`worker.py`):
    largest planned batch needs (`memory/checkpointing.py`), and
 3. `attach()` starts counting saved activations (and compressing them to int8 inside the decoder
    blocks when the level or `optimizer.params.compression.act` says so).
-Each step's saved-activation bytes go into the step record (`take_step`); `report()` is the
-summary's `memory` section.
+Saved-activation bytes are counted on sampled steps only (the first, then every
+`train.log_every_steps`): counting runs a Python hook per saved tensor, a cost a GPU step must not
+pay every time. A sampled step's bytes go into its step record (`take_step`); `report()` (the
+summary's `memory` section) has the largest of them.
 """
 from __future__ import annotations
 
@@ -41,7 +43,9 @@ class WorkerMemory:
     fp8_layers: int = 0
     stats: ActivationStats = field(default_factory=ActivationStats)
     _handles: list = field(default_factory=list)
-    _steps: list = field(default_factory=list)  # (raw, stored) saved-activation bytes of each step
+    sample_every: int = 1  # count saved activations on the first step and every sample_every-th
+    _steps: list = field(default_factory=list)  # (raw, stored) saved-activation bytes of each sampled step
+    _counting: bool = True
 
     @classmethod
     def prepare(cls, cfg: dict, device: torch.device, world: int, num_params: int) -> WorkerMemory:
@@ -52,7 +56,8 @@ class WorkerMemory:
         precision = choose(cfg["train"]["precision"], num_params, Hardware.detect(device))
         if options.zero_stage:
             zero.prepare_process(use_gpu=device.type == "cuda")
-        return cls(options=options, precision=precision, device=device, world=world)
+        return cls(options=options, precision=precision, device=device, world=world,
+                   sample_every=max(1, int(cfg["train"]["log_every_steps"])))
 
     def deepspeed_config(self, local_world_size: int) -> dict | None:
         if not self.options.zero_stage:
@@ -91,18 +96,31 @@ class WorkerMemory:
         self._handles.append(SavedBytesCounter(self.stats, layers_only=bool(self.options.zero_stage)).attach(model))
         if self.options.act == "int8":
             self._handles.append(Int8Activations(stats=self.stats).attach(model))
+        self._count(True)
+
+    def _count(self, on: bool) -> None:
+        """Count the next step's saved activations or not: the counter's hooks are left out of the
+        forward entirely, and the int8 hooks compress without counting."""
+        self._counting = on
+        for handle in self._handles:
+            handle.count(self.stats if on else None)
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def take_step(self) -> dict:
-        """This step's saved-activation bytes (raw: without compression; stored: held), then reset."""
-        raw, stored = self.stats.raw_bytes, self.stats.stored_bytes
-        self.stats.reset()
-        self._steps.append((raw, stored))
-        return {"saved_activation_bytes": stored, "saved_activation_raw_bytes": raw}
+    def take_step(self, step: int) -> dict:
+        """At the end of optimizer step `step`: its saved-activation bytes (raw: without compression;
+        stored: held) if it was a sampled step, else nothing; then whether step + 1 is sampled."""
+        out = {}
+        if self._counting:
+            raw, stored = self.stats.raw_bytes, self.stats.stored_bytes
+            self.stats.reset()
+            self._steps.append((raw, stored))
+            out = {"saved_activation_bytes": stored, "saved_activation_raw_bytes": raw}
+        self._count((step + 1) % self.sample_every == 0)
+        return out
 
     def describe(self) -> str:
         parts = [self.options.describe(), self.precision.describe()]

@@ -72,7 +72,7 @@ class StepRecorder(OptimizerClock):
         phases = self.timer.take()
         counters = exchange_counters(self.exchange, phases)
         if self.memory is not None:
-            counters.update(self.memory.take_step())
+            counters.update(self.memory.take_step(state.global_step))
         counts = self._loader_counts()
         samples, tokens, padded = (now - before for now, before in zip(counts, self._counts))
         self._counts = counts

@@ -331,3 +331,31 @@ def test_a_forward_that_raises_leaves_no_hooks_behind():
     assert_close_gradients(gradients(model, batch()), reference)
     handle.remove()
     assert all(torch.equal(g, reference[n]) for n, g in gradients(model, batch()).items())
+
+
+def test_the_worker_counts_saved_activations_on_sampled_steps_only_and_compresses_on_every_step():
+    from rapidfire_ray.config import load_config
+    from rapidfire_ray.memory.setup import WorkerMemory
+
+    model = small_llama(layers=2)
+    cfg = load_config(None, ["memory.optim_level=level2", "train.log_every_steps=3"])
+    memory = WorkerMemory.prepare(cfg, torch.device("cpu"), 1, sum(p.numel() for p in model.parameters()))
+    assert memory.sample_every == 3
+    memory.attach(model)
+    packed = []  # what the int8 hooks hand to autograd, sampled or not
+    layer_packer = memory._handles[1]._packer
+    original_pack = layer_packer.pack
+    layer_packer.pack = lambda t: packed.append(original_pack(t)) or packed[-1]
+    layer_packer.hooks = torch.autograd.graph.saved_tensors_hooks(layer_packer.pack, layer_packer.unpack)
+    records = {}
+    for step in range(1, 8):
+        packed.clear()
+        model(**batch()).loss.backward()
+        assert any(isinstance(p, Int8Payload) for p in packed), step  # compressed at every step
+        records[step] = memory.take_step(step)
+    memory.detach()
+    sampled = [s for s, r in records.items() if r]
+    assert sampled == [1, 3, 6]  # the first step, then every log_every_steps-th
+    assert len({(r["saved_activation_raw_bytes"], r["saved_activation_bytes"]) for r in records.values() if r}) == 1
+    assert 0 < records[1]["saved_activation_bytes"] < records[1]["saved_activation_raw_bytes"]
+    assert memory.report()["saved_activation_bytes"] == records[1]["saved_activation_bytes"]
