@@ -246,19 +246,17 @@ def prepare_resume(run_dir: str, world_size: int, say=print) -> dict:
         write_snapshot(run_dir, new)
     message = None
     if damaged:
-        first = damaged[0]
-        more = f" ({len(damaged) - 1} more set aside)" if len(damaged) > 1 else ""
-        kept = f"; the damaged folder is kept as {first['kept_as']}"
+        failed = ", ".join(f"checkpoint {d['checkpoint']} failed verification ({d['reason']})" for d in damaged)
+        kept = ", ".join(d["kept_as"] for d in damaged)
+        kept = f"; the damaged folder{'s are' if len(damaged) > 1 else ' is'} kept as {kept}"
         if chosen is not None:
-            message = (f"checkpoint {first['checkpoint']} failed verification ({first['reason']}); resuming from "
-                       f"{chosen} instead{kept}{more}")
+            message = f"{failed}; resuming from {chosen} instead{kept}"
         else:
-            message = (f"checkpoint {first['checkpoint']} failed verification ({first['reason']}) and no older "
-                       f"checkpoint of the run verifies; starting from the beginning{kept}{more}")
+            message = f"{failed} and no older checkpoint of the run verifies; starting from the beginning{kept}"
         say(message)
     if missing:
-        say(f"Ray Train's record of the run listed checkpoint(s) no longer on disk ({', '.join(sorted(set(missing)))}); "
-            "they were dropped from it")
+        listed = ", ".join(sorted(set(missing)))
+        say(f"Ray Train's record of the run listed checkpoint(s) no longer on disk ({listed}); they were dropped from it")
     return {"resume_from": chosen, "damaged": damaged, "message": message,
             "registered": sorted(orphans, key=_step), "missing": sorted(set(missing))}
 
