@@ -15,9 +15,18 @@ runs): a step's records from its last worker group count, those of earlier group
 from __future__ import annotations
 
 
-def recovery_summary(steps: list[dict], checkpoint_fallback: str | None = None) -> dict:
-    if steps and all(r.get("attempt") is not None for r in steps):
-        return _by_attempt(steps, checkpoint_fallback)
+def recovery_summary(steps: list[dict], checkpoint_fallback: str | None = None, *,
+                     damaged: list[dict] | None = None) -> dict:
+    """`checkpoint_fallback`: the line said when a damaged checkpoint was skipped; `damaged`: the
+    checkpoints set aside at the start of a resumed run ({checkpoint, reason, kept_as})."""
+    out = _by_attempt(steps, checkpoint_fallback) if steps and all(r.get("attempt") is not None for r in steps) \
+        else _by_rank(steps, checkpoint_fallback)
+    if damaged:
+        out["damaged_checkpoints"] = list(damaged)
+    return out
+
+
+def _by_rank(steps: list[dict], checkpoint_fallback: str | None) -> dict:
     by_rank: dict[int, list[dict]] = {}
     for record in steps:  # the board keeps each rank's records in the order it pushed them
         by_rank.setdefault(record["rank"], []).append(record)
@@ -124,9 +133,13 @@ def elastic_line(el: dict) -> str:
 
 
 def recovery_line(rec: dict) -> str | None:
-    if not rec["restarts"] and "checkpoint_fallback" not in rec:
-        return None
+    """The summary's recovery line: the worker-group restarts and what they cost, and a damaged
+    checkpoint skipped at resume (what was resumed from instead); None if neither happened."""
+    fallback = rec.get("checkpoint_fallback")
+    if not rec["restarts"]:
+        return f"resumed past a damaged checkpoint: {fallback}" if fallback else None
     resumed = ", ".join(f"step {r['resumed_from_step']} ({r['lost_s']:.1f} s between steps)" for r in rec["resumes"])
-    return (f"recovered from {rec['restarts']} worker-group restart(s), resumed at {resumed or '-'}: "
+    return (f"recovered from {rec['restarts']} worker-group restart(s), resumed at {resumed}: "
             f"{rec['steps_trained_twice']} step(s) / {rec['samples_trained_twice']} samples trained twice (those "
-            f"after the last checkpoint), {len(rec['steps_skipped'])} skipped")
+            f"after the last checkpoint), {len(rec['steps_skipped'])} skipped"
+            + (f"; damaged checkpoint: {fallback}" if fallback else ""))

@@ -157,9 +157,62 @@ def test_a_truncated_checkpoint_is_detected_and_the_previous_one_used(ray_cluste
     line = (f"checkpoint checkpoint-00000004 failed verification (model.safetensors is {size // 2} bytes, {size} "
             "expected); resuming from checkpoint-00000002 instead")
     assert line in out
-    assert second["recovery"]["checkpoint_fallback"] == line
+    assert second["recovery"]["checkpoint_fallback"].startswith(line + "; the damaged folder is kept as "
+                                                                "checkpoint-00000004.damaged-")
     assert second["steps"] == 6
     assert sorted({r["step"] for r in _steps(run_dir)}) == [3, 4, 5, 6]  # resumed after step 2
+
+
+def _on_disk_and_in_rays_record(run_dir):
+    from rapidfire_ray.checkpoints.ledger import entry_names, latest_name, read_snapshot
+
+    state = read_snapshot(str(run_dir))
+    disk = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("checkpoint-")
+                  and ".damaged-" not in p.name)
+    return disk, sorted(entry_names(state)), latest_name(state)
+
+
+@pytest.mark.slow
+def test_resumes_after_a_damaged_checkpoint_keep_rays_record_and_the_disk_in_agreement(ray_cluster, tmp_path,
+                                                                                      capsys):
+    """The newest checkpoint damaged (optimizer.pt cut to 100 bytes), then three --resume runs
+    with more steps: the first falls back to the checkpoint before it, sets the damaged folder
+    aside (renamed, reported), and saves a new checkpoint of the same step; every run after it
+    starts (Ray Train's record never names a folder that is gone), and after each one the
+    checkpoints on disk are exactly those Ray lists, no more than checkpoint.keep."""
+    from rapidfire_ray.config import load_config
+    from rapidfire_ray.driver import run
+
+    base = {"run.output_dir": str(tmp_path), "checkpoint.every_steps": 2, "checkpoint.keep": 3}
+    run_dir = tmp_path / "tiny"
+    run(load_config(TINY, {**base, "train.max_steps": 6}))
+    assert _on_disk_and_in_rays_record(run_dir) == ([f"checkpoint-0000000{s}" for s in (2, 4, 6)],
+                                                    [f"checkpoint-0000000{s}" for s in (2, 4, 6)],
+                                                    "checkpoint-00000006")
+    with open(run_dir / "checkpoint-00000006" / "optimizer.pt", "r+b") as f:
+        f.truncate(100)
+    capsys.readouterr()
+    second = run(load_config(TINY, {**base, "train.max_steps": 8}), resume=True)
+    out = capsys.readouterr().out
+    rec = second["recovery"]
+    [damaged] = rec["damaged_checkpoints"]
+    assert damaged["checkpoint"] == "checkpoint-00000006" and damaged["reason"].startswith("optimizer.pt is 100 bytes")
+    assert damaged["kept_as"].startswith("checkpoint-00000006.damaged-") and (run_dir / damaged["kept_as"]).is_dir()
+    line = (f"checkpoint checkpoint-00000006 failed verification ({damaged['reason']}); resuming from "
+            f"checkpoint-00000004 instead; the damaged folder is kept as {damaged['kept_as']}")
+    assert rec["checkpoint_fallback"] == line and f"[rapidfire] {line}" in out
+    assert f"[rapidfire] resumed past a damaged checkpoint: {line}" in out and "resumed at -" not in out
+    assert sorted({r["step"] for r in _steps(run_dir)}) == [5, 6, 7, 8]  # resumed after step 4
+    assert _on_disk_and_in_rays_record(run_dir) == ([f"checkpoint-0000000{s}" for s in (4, 6, 8)],
+                                                    [f"checkpoint-0000000{s}" for s in (4, 6, 8)],
+                                                    "checkpoint-00000008")
+    for steps, kept in ((10, (6, 8, 10)), (12, (8, 10, 12))):
+        summary = run(load_config(TINY, {**base, "train.max_steps": steps}), resume=True)
+        assert summary["steps"] == steps and "checkpoint_fallback" not in summary["recovery"]
+        assert sorted({r["step"] for r in _steps(run_dir)}) == [steps - 1, steps]
+        names = [f"checkpoint-{s:08d}" for s in kept]
+        assert _on_disk_and_in_rays_record(run_dir) == (names, names, names[-1])
+    assert (run_dir / damaged["kept_as"] / "optimizer.pt").stat().st_size == 100  # still kept aside
 
 
 def _train_worker_pids() -> list[int]:

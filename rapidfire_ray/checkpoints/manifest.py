@@ -5,6 +5,8 @@ to Ray Train: every file it wrote, with its size and sha256. Ray Train merges th
 into one checkpoint on the run's storage. At resume, every manifest in the checkpoint is
 verified; a checkpoint with a missing, truncated or altered file (or no manifest at all) is
 skipped with one line, and the newest older checkpoint of the run that verifies is used instead.
+On `--resume` the driver does this first (`ledger.prepare_resume`: the damaged folder is renamed
+aside and Ray Train's record updated); the workers' check here covers restarts within a run.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from .. import faults, log
+from ..checkpoints.ledger import settle_after_fit
 from ..config import worker_range
 from ..data.loader import DATA_DELAY_ENV
 from ..data.sharding import TRAIN
@@ -242,6 +243,12 @@ def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_
             result = trainer.fit()
         except Exception as e:
             raise RunFailed(f"training failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        finally:  # checkpoints a restarted worker group resumed from unregistered: in Ray's record, pruned by keep
+            try:
+                settle_after_fit(os.path.join(os.path.abspath(cfg.run.output_dir), cfg.run.name),
+                                 cfg.checkpoint.keep, say=say)
+            except (OSError, ValueError) as e:
+                say(f"warning: could not reconcile the run's checkpoints with Ray Train's record ({e})")
     if result.error is not None:
         raise RunFailed(f"training failed: {result.error}")
     return result

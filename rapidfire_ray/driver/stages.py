@@ -2,7 +2,6 @@
 SFT and reward runs here; the RL one (grpo, rloo, ppo) in `rl/spec.py`."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any, NamedTuple
@@ -11,6 +10,7 @@ import ray
 from omegaconf import DictConfig
 
 from ..checkpoints import SHARD_PLAN_FILE
+from ..checkpoints.ledger import checkpoint_folders, prepare_resume, resume_folder
 from ..config import is_elastic, worker_range
 from ..data import preference
 from ..data.loader import DynamicBatches
@@ -99,7 +99,7 @@ class StageSpec:
 
 
 def _check_resume(run_dir: str, resume: bool) -> None:
-    has_checkpoint = bool(glob.glob(os.path.join(run_dir, "checkpoint-*")))
+    has_checkpoint = bool(checkpoint_folders(run_dir))  # damaged ones set aside do not count
     if has_checkpoint and not resume:
         raise RapidfireError(f"run.name: '{os.path.basename(run_dir)}' already has checkpoints in {run_dir}; pass "
                              "--resume to continue it, or choose another run.name (nothing was overwritten)")
@@ -110,9 +110,13 @@ def _check_resume(run_dir: str, resume: bool) -> None:
 
 def saved_shard_plan(run_dir: str) -> dict | None:
     """The shard plan saved with the newest checkpoint: a resumed run reads the same shards, so
-    the batches it skips are exactly the ones already trained on."""
-    for ckpt in sorted(glob.glob(os.path.join(run_dir, "checkpoint-*")), reverse=True):
-        path = os.path.join(ckpt, SHARD_PLAN_FILE)
+    the batches it skips are exactly the ones already trained on. The checkpoint resumed from
+    first (`ledger.resume_folder`), then the older ones."""
+    folders = checkpoint_folders(run_dir)
+    start = resume_folder(run_dir)
+    limit = folders.get(os.path.basename(start), -1) if start else -1
+    for name in sorted((n for n, s in folders.items() if s <= limit), key=folders.get, reverse=True):
+        path = os.path.join(run_dir, name, SHARD_PLAN_FILE)
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 return json.load(f)
@@ -143,6 +147,7 @@ class SFTStage(StageSpec):
 
     ps = control = held_out = None
     lengths = None
+    resume_check: dict | None = None  # ledger.prepare_resume's result (a resumed run)
 
     def check(self) -> None:
         # A missing data path or an unusable model name fails before Ray starts (the tokenizer is
@@ -152,6 +157,8 @@ class SFTStage(StageSpec):
             list_data_files(self.cfg.data.eval_path)
         load_tokenizer(self.cfg.model.name)
         _check_resume(self.run_dir, self.resume)
+        if self.resume:  # the checkpoint to resume from, Ray Train's record made to agree (checkpoints/ledger.py)
+            self.resume_check = prepare_resume(self.run_dir, worker_range(self.cfg)[1], say=say)
 
     def build_data(self, num_cpus: int) -> StageData:
         cfg = self.cfg
@@ -204,7 +211,9 @@ class SFTStage(StageSpec):
         self.rank0 = next((w for w in reports if w.rank == 0), None)
         self.held = [w.held_bytes for w in reports if w.held_bytes is not None]
         self.memory_model = ray.get(board.memory_model.remote())
-        self.checkpoint_fallback = ray.get(board.checkpoint_fallback.remote())
+        # Said by the driver (a damaged checkpoint found before the start) and/or by rank 0 (after a restart).
+        said = [(self.resume_check or {}).get("message"), ray.get(board.checkpoint_fallback.remote())]
+        self.checkpoint_fallback = "; then ".join(m for m in said if m) or None
         self.control_info = ray.get(self.control.info.remote())
         self.elastic_starts = ray.get(board.elastic_starts.remote()) if is_elastic(self.cfg) else []
         if self.ps is not None:
@@ -236,7 +245,8 @@ class SFTStage(StageSpec):
         if self.rank0 is not None:
             summary["nonfinite_skipped_steps"] = self.rank0.skipped_steps
         # Worker failures survived (scaling.max_failures) and what they cost: steps/samples trained twice.
-        summary["recovery"] = recovery_summary(steps, self.checkpoint_fallback)
+        summary["recovery"] = recovery_summary(steps, self.checkpoint_fallback,
+                                               damaged=(self.resume_check or {}).get("damaged"))
         if recovery_line(summary["recovery"]):
             say(recovery_line(summary["recovery"]))
         if is_elastic(cfg):

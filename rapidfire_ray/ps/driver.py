@@ -7,7 +7,6 @@ final checkpoint gets the shards' final state. Details: docs/parameter_server.md
 """
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import tempfile
@@ -19,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import RapidfireError
 from ..models import load_model
 from ..checkpoints import refresh_manifest_entries
+from ..checkpoints.ledger import resume_folder
 from .launch import launch_shards
 from .snapshots import snapshot_path
 from ..exchange.parameter_server import codec_options, shard_state_files
@@ -65,7 +65,7 @@ class ParameterServer:
     def _seed_snapshots(self, run_dir: str) -> None:
         """The shard states of the checkpoint a resumed run continues from become the snapshots
         the shards start from."""
-        latest = max(glob.glob(os.path.join(run_dir, "checkpoint-*")), default=None)
+        latest = resume_folder(run_dir)  # the one the workers resume from (a damaged one is set aside)
         files = shard_state_files(latest, self.num_shards) if latest else []
         if not files or not all(os.path.exists(f) for f in files):
             raise RapidfireError(f"--resume: the latest checkpoint ({latest}) holds no parameter-server state for "
