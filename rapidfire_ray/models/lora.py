@@ -19,7 +19,7 @@ CAUSAL_LM, SEQ_CLS = "CAUSAL_LM", "SEQ_CLS"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
-def lora_config(lora, task: str, base_name: str | None = None):
+def lora_config(lora, task: str):
     """peft.LoraConfig from the `model.lora` section."""
     from peft import LoraConfig
 
@@ -27,8 +27,6 @@ def lora_config(lora, task: str, base_name: str | None = None):
     targets = targets if isinstance(targets, str) else [str(t) for t in targets]
     config = LoraConfig(r=int(lora["r"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
                         target_modules=targets, task_type=task, bias="none")
-    if base_name is not None:
-        config.base_model_name_or_path = base_name
     return config
 
 
@@ -42,7 +40,16 @@ def apply_lora(model: torch.nn.Module, lora, task: str, base_name: str):
     """The model with LoRA adapters (a peft.PeftModel), its base weights frozen."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(lora, task, base_name_of(base_name)))
+    model = get_peft_model(model, lora_config(lora, task))
+    name_base(model, base_name)
+    return model
+
+
+def name_base(model, base_name: str) -> None:
+    """The base model an exported adapter names (`adapter_config.json`); get_peft_model takes the
+    model's own `name_or_path`, which a built-in model (tiny-random) lacks."""
+    for config in model.peft_config.values():
+        config.base_model_name_or_path = base_name_of(base_name)
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
@@ -104,10 +111,11 @@ def export_lora(checkpoint_dir: str, model_dir: str, *, stage: str, model_name: 
     return out
 
 
-def save_final_policy(policy, tokenizer, out_dir: str, export: str) -> str:
+def save_final_policy(policy, tokenizer, out_dir: str, export: str, base_name: str) -> str:
     """An RL run's final policy with LoRA: merged (a plain model) or the adapter alone."""
     from .registry import save_pretrained_atomic
 
+    name_base(policy, base_name)
     if export == "merged":
         policy = policy.merge_and_unload()
     out = save_pretrained_atomic(policy, tokenizer, out_dir)

@@ -154,9 +154,9 @@ def build_trl_trainer(cfg: dict, model, tokenizer, dataset, pool: RewardPool, ca
     lora = cfg["model"]["lora"]
     peft_config = None
     if lora is not None:  # TRL adds the adapters; its reference model is then the base (adapters disabled)
-        from ..models.lora import CAUSAL_LM, base_name_of, lora_config
+        from ..models.lora import CAUSAL_LM, lora_config
 
-        peft_config = lora_config(lora, CAUSAL_LM, base_name_of(cfg["model"]["name"]))
+        peft_config = lora_config(lora, CAUSAL_LM)
     elif cfg["rl"]["kl_beta"] > 0:
         policy_source(model, scratch)
     tokenizer.padding_side = "left"

@@ -86,7 +86,8 @@ def rl_loop_per_worker(config: dict) -> None:
         checkpoint = None
         if rank == 0:
             if cfg.model.lora is not None:  # merged into the base (a plain model), or the adapter alone
-                final = save_final_policy(policy, tokenizer, f"{scratch}/final", cfg.model.lora.export)
+                final = save_final_policy(policy, tokenizer, f"{scratch}/final", cfg.model.lora.export,
+                                          cfg.model.name)
             else:
                 final = save_pretrained_atomic(policy, tokenizer, f"{scratch}/final")
             checkpoint = ray.train.Checkpoint.from_directory(final)
