@@ -222,3 +222,27 @@ def test_reward_stage_with_lora_and_rapidfire_adamw_trains_two_steps(ray_cluster
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rl" / "model")
     base = tiny.build_reward_model()
     assert not torch.equal(model.score.weight, base.score.weight)  # the head trained in full (modules_to_save)
+
+
+def test_grpo_with_lora_trains_two_steps_against_the_adapter_free_reference(ray_cluster, tmp_path):
+    """GRPO takes the adapters through TRL's peft_config; its KL reference is the base model (adapters
+    disabled), so no reference copy is built; the final policy is exported merged."""
+    from transformers import AutoModelForCausalLM
+
+    from paths import SAMPLE
+
+    rows = [json.loads(line) for line in open(SAMPLE, encoding="utf-8")][:16]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    s = rapidfire_ray.train(None, overrides={
+        "model.name": "tiny-random", "train.stage": "rl", "data.format": "prompt", "data.path": str(prompts),
+        "data.max_length": 160, "rl.algorithm": "grpo", "rl.max_new_tokens": 6, "rl.num_generations": 2,
+        "train.per_device_batch_size": 4, "train.max_steps": 2, "optimizer.params.lr": 1e-3,
+        "run.output_dir": str(tmp_path / "runs"), "run.name": "grpo", "scaling.num_workers": 2,
+        "model.lora": dict(LORA)})
+    assert s["stage"] == "rl" and s["steps"] == 2 and len(s["rl"]["reward_history"]) == 2
+    assert 0 < s["lora"]["trainable_share"] < 0.2
+    model_dir = tmp_path / "runs" / "grpo" / "model"
+    assert not (model_dir / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
