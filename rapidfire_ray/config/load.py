@@ -164,7 +164,8 @@ def _check_section(node: DictConfig, cls: type, prefix: str) -> None:
     for f in fields(cls):
         key, value = f"{prefix}{f.name}", node[f.name]
         if subsection(f):
-            _check_section(value, subsection(f), f"{key}.")
+            if value is not None:  # an optional section (model.lora) is off when null
+                _check_section(value, subsection(f), f"{key}.")
         elif "choices" in f.metadata and value not in f.metadata["choices"]:
             raise RapidfireError(f"{key}: {show(value)} is not one of: {listed(f.metadata['choices'])}")
         elif "range" in f.metadata and value is not None:

@@ -100,6 +100,28 @@ def cross_checks(cfg: DictConfig) -> None:
         raise RapidfireError(f"train.precision: {precision} on CPU workers (scaling.use_gpu false): {why}; "
                              "use bf16 or fp32, or scaling.use_gpu=true on a GPU cluster")
 
+    # LoRA adapters (model.lora) and what they do not run with.
+    lora = cfg.model.lora
+    if lora is not None:
+        lora_refusals = [
+            (sharded, zero3, "ZeRO-3 builds the model partitioned before the adapters are added, which is not "
+             "validated here (the frozen base needs no gradients or optimizer state, so there is little left to "
+             "shard); use memory.optim_level level2 or lower with LoRA"),
+            (mode == "parameter_server", "communication.mode parameter_server",
+             "its shard actors hold the base model's parameters, built on the driver without the adapters; use "
+             "allreduce or allreduce_compressed with LoRA"),
+            (stage == "rl" and cfg.rl.algorithm == "ppo", "rl.algorithm ppo",
+             "ppo trains its policy and value model in its own loop, outside TRL's trainers that take a "
+             "peft_config; use grpo or rloo with LoRA"),
+            (lora.export == "adapter" and stage == "pipeline", "model.lora.export adapter",
+             "each pipeline stage loads the previous stage's model as a full model; use export merged"),
+            (lora.export == "adapter" and cfg.data.eval_path is not None, "model.lora.export adapter",
+             "data.eval_path scores the exported model, which must be a full model; use export merged"),
+        ]
+        for bad, what, why in lora_refusals:
+            if bad:
+                raise RapidfireError(f"{what}: not with model.lora: {why}")
+
     # The RL stage: prompt rows, its rewards and batch shape, and what it runs with in this release.
     if stage != "rl" and fmt == "prompt":
         raise RapidfireError(f"data.format: 'prompt' rows (prompts without completions) only feed train.stage rl; "

@@ -36,9 +36,15 @@ def section(cls: type):
     return dataclasses.field(default_factory=cls)
 
 
+def optional_section(cls: type, doc: str):
+    """A nested section that is off (null) by default; setting any of its keys (or `{}`) turns it on
+    with the defaults of the others."""
+    return dataclasses.field(default=None, metadata={"doc": doc, "section": cls})
+
+
 def subsection(f: dataclasses.Field) -> type | None:
-    """The section class a field holds, or None for a key."""
-    return f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
+    """The section class a field holds (an optional section's too), or None for a key."""
+    return f.default_factory if dataclasses.is_dataclass(f.default_factory) else f.metadata.get("section")
 
 
 def show(value: Any) -> str:
@@ -66,9 +72,42 @@ class RunSection:
 
 
 @dataclass
+class LoraSection:
+    r: int = field(8, "LoRA rank of each adapted layer; setting any model.lora key turns LoRA on (model.lora null, "
+                      "the default: full fine-tuning)", range=(1, None))
+    alpha: float = field(16.0, "LoRA scaling numerator (the update is scaled by alpha / r), above 0",
+                         range=(0.0, None))  # 0: check()
+    dropout: float = field(0.05, "dropout on the adapters' input, in [0, 1)", range=(0.0, 1.0))  # 1: check()
+    target_modules: Any = field("all-linear", "layers that get adapters: a list of module names (e.g. [q_proj, "
+                                              "v_proj]) or all-linear (every linear layer but the output head)")
+    export: str = field("merged", "the final model in <run>/model: merged (the adapter merged into the base "
+                                  "weights: a plain Hugging Face model) or adapter (adapter files only; "
+                                  "adapter_config.json names the base model)", choices=("merged", "adapter"))
+
+    def check(self) -> None:
+        if self.alpha <= 0.0:
+            raise RapidfireError(f"model.lora.alpha: {self.alpha} is out of range; allowed: above 0 (e.g. 16)")
+        if self.dropout >= 1.0:
+            raise RapidfireError(f"model.lora.dropout: {self.dropout} is out of range; allowed: 0 <= dropout < 1 "
+                                 "(e.g. 0.05)")
+        targets = self.target_modules
+        if isinstance(targets, str):
+            if targets != "all-linear":
+                raise RapidfireError(f"model.lora.target_modules: {show(targets)} is invalid; allowed: all-linear or "
+                                     "a list of module names, e.g. [q_proj, v_proj]")
+            return
+        targets = list(targets) if not isinstance(targets, (int, float, bool)) and targets is not None else None
+        if not targets or not all(isinstance(t, str) and t.strip() for t in targets):
+            raise RapidfireError(f"model.lora.target_modules: {self.target_modules} is invalid; allowed: all-linear "
+                                 "or a non-empty list of module names, e.g. [q_proj, v_proj]")
+
+
+@dataclass
 class ModelSection:
     name: str = field("smollm2-135m",
                       "a built-in name (smollm2-135m, tiny-random), a local HF model directory or a hub id")
+    lora: Optional[LoraSection] = optional_section(LoraSection, "LoRA adapters on the frozen base model "
+                                                               "(null: full fine-tuning)")
 
     def check(self) -> None:
         if not self.name.strip():

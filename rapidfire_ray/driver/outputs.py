@@ -44,6 +44,17 @@ def export_model(checkpoint_dir: str, model_dir: str) -> str:
     return publish_dir(tmp, model_dir)
 
 
+def export_final(cfg: DictConfig, checkpoint_dir: str, model_dir: str) -> str:
+    """The run's final model from its last checkpoint; with LoRA (sft, reward) the adapter merged
+    into the base weights unless `model.lora.export` is adapter (`models.lora.export_lora`)."""
+    if cfg.model.lora is None or cfg.train.stage == "rl":  # (rl: the worker saved the final policy as exported)
+        return export_model(checkpoint_dir, model_dir)
+    from ..models.lora import export_lora
+
+    return export_lora(checkpoint_dir, model_dir, stage=cfg.train.stage, model_name=cfg.model.name,
+                       export=cfg.model.lora.export, copy_model=export_model)
+
+
 def summarise(*, stage: str, snapshot: dict, num_workers: int, model_dir: str | None, data: dict,
               wall_s: float) -> dict:
     """The run summary, computed from the per-rank step records the workers pushed."""

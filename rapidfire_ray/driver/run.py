@@ -14,7 +14,7 @@ from ..errors import RapidfireError
 from ..log import say
 from ..telemetry.board import RunBoard
 from .cluster import connect, fit_workers, on_driver_node
-from .outputs import export_model, run_dir_of, summarise, write_outputs
+from .outputs import export_final, run_dir_of, summarise, write_outputs
 from .stages import spec_for
 
 
@@ -56,7 +56,7 @@ def run(cfg: DictConfig, *, address: str | None = None, resume: bool = False) ->
     model_dir = None
     if result.checkpoint is not None:
         with result.checkpoint.as_directory() as ckpt:
-            model_dir = export_model(ckpt, os.path.join(run_dir, "model"))
+            model_dir = export_final(cfg, ckpt, os.path.join(run_dir, "model"))
     summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=stage.num_workers(snapshot),
                         model_dir=model_dir, data=data.report.to_dict(), wall_s=time.time() - t_start)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint is not None else None

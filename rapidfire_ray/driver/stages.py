@@ -22,6 +22,7 @@ from ..log import say
 from ..memory import allocator
 from ..memory.levels import MemoryOptions
 from ..models import load_tokenizer
+from ..models.lora import lora_line
 from ..ps.driver import ParameterServer
 from ..recovery import elastic_line, elastic_summary, final_world_size, recovery_line, recovery_summary
 from ..stages import reward_eval
@@ -253,9 +254,12 @@ class SFTStage(StageSpec):
             summary["elastic"] = elastic_summary(cfg, steps, self.elastic_starts, data.report.rows)
             say(elastic_line(summary["elastic"]))
         if memory is not None:
-            summary["memory"] = {**{k: v for k, v in memory.items() if k not in ("description", "held_bytes")},
+            summary["memory"] = {**{k: v for k, v in memory.items() if k not in ("description", "held_bytes", "lora")},
                                  "held_bytes_per_worker": self.held, "peak_memory_bytes": summary["peak_memory_bytes"]}
             say(memory["description"])
+            if memory.get("lora") is not None:  # model.lora: r, trainable parameters and their share
+                summary["lora"] = memory["lora"]
+                say(lora_line(memory["lora"]))
         if memory_model is not None:
             summary["memory_model"] = memory_check(memory_model, steps)
             say(f"memory_aware: {memory_model['description']}; estimated peak "

@@ -36,6 +36,7 @@ class MemoryModel:
     world_size: int = 1
     int8_layers: bool = False  # int8 saved activations inside the decoder layers (memory level2)
     zero_shards: int = 1  # ZeRO-3: weights, gradients and optimizer state split over this many workers
+    trainable_params: int | None = None  # parameters that get gradients (LoRA: the adapters); None: all
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, world_size: int = 1, checkpointed_layers: int = 0,
@@ -55,19 +56,23 @@ class MemoryModel:
                    param_bytes=torch.finfo(dtype).bits // 8, act_bytes=act_bytes or torch.finfo(dtype).bits // 8,
                    attention=getattr(c, "_attn_implementation", None) or "sdpa",
                    checkpointed_layers=checkpointed_layers, world_size=world_size, int8_layers=int8_layers,
-                   zero_shards=zero_shards)
+                   zero_shards=zero_shards,
+                   trainable_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()
+                                        if p.requires_grad))
 
     def static_bytes(self) -> int:
         """Weights + gradients + AdamW moments (+ fp32 master copy) (+ DDP buckets); under ZeRO-3 each
-        worker holds its share of all that, and no DDP buckets."""
+        worker holds its share of all that, and no DDP buckets. Gradients, moments, master copy and
+        buckets are of the trainable parameters only (LoRA: the adapters; the frozen base has none)."""
         p, b = self.num_params, self.param_bytes
-        total = p * b + p * b + 2 * p * 4
+        t = p if self.trainable_params is None else self.trainable_params
+        total = p * b + t * b + 2 * t * 4
         if b < 4:
-            total += p * 4
+            total += t * 4
         if self.zero_shards > 1:
             return -(-total // self.zero_shards)
         if self.world_size > 1:
-            total += p * b
+            total += t * b
         return total
 
     def layer_elements_per_token(self, width: int) -> int:

@@ -140,6 +140,11 @@ class RLStage(StageSpec):
         summary["communication"] = {"mode": self.cfg.communication.mode, **(summary["communication"] or {})}
         if self.rank0 is not None:
             summary["nonfinite_skipped_steps"] = self.rank0.skipped_steps
+            if (self.rank0.memory or {}).get("lora") is not None:  # model.lora: r, trainable parameters, share
+                from ..models.lora import lora_line
+
+                summary["lora"] = self.rank0.memory["lora"]
+                say(lora_line(summary["lora"]))
 
     def done_text(self, summary: dict) -> str:
         rl = summary["rl"]

@@ -151,13 +151,19 @@ def policy_source(model, scratch: str) -> None:
 
 def build_trl_trainer(cfg: dict, model, tokenizer, dataset, pool: RewardPool, callback, scratch: str,
                       use_cpu: bool, parts: WorkerParts):
-    if cfg["rl"]["kl_beta"] > 0:
+    lora = cfg["model"]["lora"]
+    peft_config = None
+    if lora is not None:  # TRL adds the adapters; its reference model is then the base (adapters disabled)
+        from ..models.lora import CAUSAL_LM, lora_config
+
+        peft_config = lora_config(lora, CAUSAL_LM)
+    elif cfg["rl"]["kl_beta"] > 0:
         policy_source(model, scratch)
     tokenizer.padding_side = "left"
     args = trl_args(cfg, scratch, use_cpu, pool.weights)
     cls = RayGRPOTrainer if cfg["rl"]["algorithm"] == "grpo" else RayRLOOTrainer
     trainer = cls(model=model, reward_funcs=reward_functions(pool), args=args, train_dataset=dataset,
-                  processing_class=tokenizer, callbacks=[callback], parts=parts)
+                  processing_class=tokenizer, callbacks=[callback], parts=parts, peft_config=peft_config)
     trainer.remove_callback(PrinterCallback)
     callback.trainer = trainer
     return trainer

@@ -14,6 +14,7 @@ import torch
 from ..data.prompts import row_columns
 from ..data.sharding import TRAIN
 from ..models import load_model, load_tokenizer
+from ..models.lora import lora_report, save_final_policy
 from ..models.registry import save_pretrained_atomic
 from ..telemetry.metrics import WorkerMetrics
 from ..config import from_plain
@@ -68,6 +69,8 @@ def rl_loop_per_worker(config: dict) -> None:
             trainer.train()
             report.skipped_steps = parts.guard.skipped_steps
             policy = unwrap(trainer)
+            if cfg.model.lora is not None:  # for the summary's lora section (rank 0's report)
+                report.memory = {"lora": lora_report(policy, cfg.model.lora)}
         else:
             from .ppo import train_ppo
 
@@ -82,7 +85,11 @@ def rl_loop_per_worker(config: dict) -> None:
         ray.get(board.report_worker_end.remote(report))
         checkpoint = None
         if rank == 0:
-            final = save_pretrained_atomic(policy, tokenizer, f"{scratch}/final")
+            if cfg.model.lora is not None:  # merged into the base (a plain model), or the adapter alone
+                final = save_final_policy(policy, tokenizer, f"{scratch}/final", cfg.model.lora.export,
+                                          cfg.model.name)
+            else:
+                final = save_pretrained_atomic(policy, tokenizer, f"{scratch}/final")
             checkpoint = ray.train.Checkpoint.from_directory(final)
         ray.train.report({"step": -1}, checkpoint=checkpoint, checkpoint_dir_name="checkpoint-final")
     finally:

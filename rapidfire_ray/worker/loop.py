@@ -25,6 +25,7 @@ from ..memory import free_memory_bytes, memory_in_use_bytes
 from ..memory.setup import WorkerMemory
 from ..memory.zero import held_bytes
 from ..models import load_tokenizer, model_num_parameters
+from ..models.lora import apply_lora, lora_report
 from ..secrets import redact_std_streams
 from ..stages.base import WorkerParts
 from ..stages.guard import NanGuard
@@ -99,6 +100,8 @@ def assemble(run: WorkerRun, config: dict, local_dir: str, local_world: int):
     args = stage.make_args(cfg, local_dir, use_cpu=not cfg.scaling.use_gpu, precision=memory.precision,
                            deepspeed=memory.deepspeed_config(local_world))
     model = stage.make_model(cfg.model.name, tokenizer)
+    if cfg.model.lora is not None:  # the base frozen: the exchange, optimizer and memory model see the adapters only
+        model = apply_lora(model, cfg.model.lora, stage.lora_task, cfg.model.name)
     memory.adopt(model)
     dynamic = build_dynamic_batches(cfg, config["lengths"], memory.batching_model(), run, free_bytes)
     data = build_data(cfg, run, args, tokenizer, dynamic)
@@ -128,5 +131,6 @@ def report_end(run: WorkerRun, trainer, parts: WorkerParts, memory: WorkerMemory
             "node_id": ray.get_runtime_context().get_node_id()}
     ray.get(run.board.report_worker_end.remote(WorkerReport(
         rank=run.rank, held_bytes=held, exchange=exchange_report, skipped_steps=parts.guard.skipped_steps,
-        memory={**memory.report(), "held_bytes": held, "defrag_retries": parts.defrag_retries}
+        memory={**memory.report(), "held_bytes": held, "defrag_retries": parts.defrag_retries,
+                "lora": lora_report(trainer.model, run.cfg.model.lora) if run.cfg.model.lora is not None else None}
         if run.rank == 0 else None)))

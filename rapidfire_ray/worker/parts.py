@@ -20,6 +20,7 @@ from ..faults import CrashAt
 from ..memory.estimate import MemoryModel
 from ..memory.setup import WorkerMemory
 from ..models import load_model, load_reward_model
+from ..models.lora import CAUSAL_LM, SEQ_CLS
 from ..preemption import PreemptionCheck
 from ..stages.reward import build_reward_trainer, reward_args
 from ..stages.sft import build_sft_trainer, sft_args
@@ -36,13 +37,15 @@ class WorkerStage:
     make_args: Callable  # (cfg, output_dir, use_cpu, precision, deepspeed) -> the TRL trainer's arguments
     make_model: Callable  # (model name, tokenizer) -> the model
     make_trainer: Callable  # (args, model, tokenizer, parts, sample_rows, callbacks) -> the trainer
+    lora_task: str  # the PEFT task type of its model's adapters (model.lora)
 
 
 STAGES = {
-    "sft": WorkerStage(sft_args, lambda name, tokenizer: load_model(name, dtype=torch.float32), build_sft_trainer),
+    "sft": WorkerStage(sft_args, lambda name, tokenizer: load_model(name, dtype=torch.float32), build_sft_trainer,
+                       CAUSAL_LM),
     "reward": WorkerStage(reward_args,
                           lambda name, tokenizer: load_reward_model(name, torch.float32, tokenizer.pad_token_id),
-                          build_reward_trainer),
+                          build_reward_trainer, SEQ_CLS),
 }
 
 
