@@ -42,6 +42,7 @@ class StageSpec:
 
     rows_noun, more_rows = "rows", "more data"  # the too-few-rows error
     max_failures: int | None = None  # None: scaling.max_failures
+    resumable = True  # a failed run continues with --resume (from its last checkpoint)
 
     def __init__(self, cfg: DictConfig, run_dir: str, resume: bool):
         self.cfg, self.run_dir, self.resume = cfg, run_dir, resume

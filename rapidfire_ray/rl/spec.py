@@ -63,6 +63,7 @@ class RLStage(StageSpec):
 
     rows_noun, more_rows = "prompts", "more prompts"
     max_failures = 0  # an RL run keeps no mid-run checkpoints to restart from
+    resumable = False
     eval_rows: list = []
     eval_report = None
     actors: list = []
