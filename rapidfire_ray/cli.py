@@ -94,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config" or args.dry_run:
             print(to_yaml(cfg), end="")
             return 0
+        _check_fits(cfg, args.address)  # before Ray, torch and transformers are even imported
         from .log import set_verbose
 
         set_verbose(args.verbose)
-        _check_fits(cfg, args.address)  # before Ray, torch and transformers are even imported
         from .driver import failure, run, run_pipeline
 
         failure.set_command(argv)

@@ -16,7 +16,7 @@ from ..data import preference
 from ..data.loader import DynamicBatches
 from ..data.prepare import build_sft_dataset, row_lengths
 from ..data.sharding import FULL
-from ..data.sources import list_data_files
+from ..data.precheck import check_data_files
 from ..errors import RapidfireError
 from ..log import say
 from ..memory import allocator
@@ -148,9 +148,9 @@ class SFTStage(StageSpec):
     def check(self) -> None:
         # A missing data path or an unusable model name fails before Ray starts (the tokenizer is
         # small; for smollm2-135m this also builds the converted-model cache the workers load).
-        list_data_files(self.cfg.data.path)
+        check_data_files(self.cfg.data.path, self.cfg.data.format)
         if self.cfg.data.eval_path is not None:
-            list_data_files(self.cfg.data.eval_path)
+            check_data_files(self.cfg.data.eval_path, self.cfg.data.format, "data.eval_path")
         load_tokenizer(self.cfg.model.name)
         _check_resume(self.run_dir, self.resume)
 
