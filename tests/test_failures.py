@@ -156,9 +156,12 @@ def test_a_crashed_worker_with_no_retries_leaves_its_summary_and_the_resume_comm
 @pytest.mark.slow
 def test_a_failed_model_export_still_writes_the_summary_and_says_what_to_free(ray_cluster, tmp_path, capsys,
                                                                             monkeypatch):
+    import importlib
+
     from rapidfire_ray.config import load_config
-    from rapidfire_ray.driver import run as run_module
     from rapidfire_ray.errors import RunFailed
+
+    run_module = importlib.import_module("rapidfire_ray.driver.run")
 
     def disk_full(checkpoint_dir, model_dir):
         raise OSError(28, "No space left on device")
