@@ -108,8 +108,14 @@ def test_the_failed_rank_and_the_meaningful_line_of_its_error():
             raise RunFailed("training failed: Training failed due to worker errors:") from e
     except RunFailed as e:
         text = describe_failure(e)
-    assert text == ("rank 0: ValueError: bad lr; rank 1 (node 10.0.0.7): RuntimeError: The actor died unexpectedly "
-                    "before finishing this task.")
+    assert text == ("rank 0: ValueError: bad lr; rank 1 (node 10.0.0.7, pid 123): RuntimeError: The actor died "
+                    "unexpectedly before finishing this task.")
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    lost = WorkerHealthCheckFailedError("A worker health check failed.", died)
+    assert describe_failure(WorkerGroupError("x", {1: lost})) == (
+        "rank 1 (node 10.0.0.7, pid 123): worker process lost (RuntimeError: The actor died unexpectedly before "
+        "finishing this task.)")
     set_command(["train", "--profile", "p.yaml", "train.max_steps=5"])
     assert resume_command().endswith("train --profile p.yaml train.max_steps=5 --resume")
     set_command(["train", "--resume", "--profile", "p.yaml"])

@@ -64,9 +64,20 @@ def first_meaningful_line(exc: BaseException) -> str:
     return line[:300]
 
 
-def _node_of(exc: BaseException) -> str | None:
-    m = re.search(r"\bip[=:]\s*([0-9a-fA-F.:]+)", str(exc))
-    return m.group(1).rstrip(",.") if m else None
+def _where(exc: BaseException) -> str:
+    """' (node IP, pid N)' where Ray's error names them (a dead worker's ActorDiedError does)."""
+    text = str(exc)
+    ip = re.search(r"\bip[=:]\s*([0-9a-fA-F.:]+)", text)
+    pid = re.search(r"\bpid[=:]\s*(\d+)", text)
+    parts = ([f"node {ip.group(1).rstrip(',.:')}"] if ip else []) + ([f"pid {pid.group(1)}"] if pid else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _rank_error(err: BaseException) -> str:
+    inner = getattr(err, "health_check_failure", None)  # Ray Train v2: the worker process is gone
+    if isinstance(inner, BaseException):
+        return f"worker process lost ({first_meaningful_line(inner)})"
+    return first_meaningful_line(err)
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -83,8 +94,7 @@ def describe_failure(exc: BaseException) -> str:
             parts = []
             for rank in sorted(failures):
                 err = failures[rank]
-                node = _node_of(err)
-                parts.append(f"rank {rank}" + (f" (node {node})" if node else "") + f": {first_meaningful_line(err)}")
+                parts.append(f"rank {rank}{_where(err)}: {_rank_error(err)}")
             return "; ".join(parts)
         inner = getattr(e, "controller_failure", None)
         if isinstance(inner, BaseException):
