@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import threading
 import time
 
 import ray
@@ -264,6 +266,8 @@ def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_
     wait_for_workers(scaling._resources_per_worker_not_none, lo, cfg.scaling.placement,
                      cfg.scaling.placement_timeout_s)
     say(start_line)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main_thread else None
     interrupted = _watch_sigint(trainer)
     with ProgressPrinter(board), (ControlWatcher(control) if control is not None else contextlib.nullcontext()):
         try:
@@ -274,6 +278,9 @@ def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_
             if interrupted:
                 raise RunInterrupted("interrupted") from None
             raise RunFailed(f"training failed: {describe_failure(e)}") from e
+        finally:
+            if main_thread and previous is not None:
+                signal.signal(signal.SIGINT, previous)  # Ctrl-C after the run: Python's default again
     if interrupted:
         raise RunInterrupted("interrupted")
     if result.error is not None:
@@ -286,9 +293,6 @@ def _watch_sigint(trainer) -> list:
     then returns as if it had ended. This one does the same and remembers it (the list returned
     is non-empty once interrupted), so the driver reports an interrupted run; a third Ctrl-C
     stops at once."""
-    import signal
-    import threading
-
     interrupted: list = []
     if not hasattr(trainer, "_register_sigint_handler") or threading.current_thread() is not threading.main_thread():
         return interrupted

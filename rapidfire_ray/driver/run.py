@@ -105,7 +105,7 @@ def _end_failed(cfg: DictConfig, stage, error: BaseException, snapshot: dict | N
     summary = {"stage": cfg.train.stage}
     if snapshot is not None:
         try:
-            summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=cfg.scaling.num_workers,
+            summary = summarise(stage=cfg.train.stage, snapshot=snapshot, num_workers=worker_range(cfg)[1],
                                 model_dir=None, data=data.report.to_dict(), wall_s=time.time() - t_start)
         except Exception as e:  # noqa: BLE001 - partial records must not hide the failure itself
             warn(f"summary of the partial run incomplete ({type(e).__name__}: {e})")
