@@ -1,4 +1,4 @@
-"""`rapidfire` command line. Exit codes: 0 success, 2 usage/config/data error, 1 run failure."""
+"""`rapidfire` command line. Exit codes: 0 success, 2 usage/config/data error, 1 run failure, 130\ninterrupted (Ctrl-C)."""
 from __future__ import annotations
 
 import argparse
@@ -94,10 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config" or args.dry_run:
             print(to_yaml(cfg), end="")
             return 0
+        _check_fits(cfg, args.address)  # before Ray, torch and transformers are even imported
         from .log import set_verbose
 
         set_verbose(args.verbose)
-        from .driver import run, run_pipeline
+        from .driver import failure, run, run_pipeline
+
+        failure.set_command(argv)
 
         (run_pipeline if cfg.train.stage == "pipeline" else run)(cfg, address=args.address, resume=args.resume)
         return 0
@@ -106,10 +109,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RunFailed as e:
         print(f"rapidfire: {e}", file=sys.stderr)
-        return 1
+        return 130 if type(e).__name__ == "RunInterrupted" else 1
     except KeyboardInterrupt:
         print("rapidfire: interrupted", file=sys.stderr)
         return 130
+
+
+def _check_fits(cfg, address: str | None) -> None:
+    from .capacity import check_fits_here
+
+    if cfg.train.stage != "pipeline":
+        check_fits_here(cfg, address)
+    # a pipeline's stages are checked in run_pipeline (each stage's own config)
 
 
 def entrypoint() -> None:

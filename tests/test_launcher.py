@@ -102,8 +102,10 @@ def test_bad_model_name_fails_before_ray_with_exit_2(tmp_path, capsys):
     assert rc == 2 and "model.name" in err and "config.json" in err and "\n" not in err
 
 
-def test_a_failing_run_exits_1_and_writes_no_summary(ray_cluster, tmp_path, capsys):
-    """A model directory whose weights are corrupt: the tokenizer loads, the workers fail."""
+def test_a_failing_run_exits_1_and_writes_a_failed_summary(ray_cluster, tmp_path, capsys):
+    """A model directory whose weights are corrupt: the tokenizer loads, the workers fail. The
+    last line says what failed on which rank; the summary says `status: failed`, no step, no
+    checkpoint (so there is nothing to resume)."""
     import torch
 
     from rapidfire_ray.models import load_model, load_tokenizer, save_pretrained_atomic
@@ -114,8 +116,11 @@ def test_a_failing_run_exits_1_and_writes_no_summary(ray_cluster, tmp_path, caps
     rc = main(["train", "--profile", TINY, f"run.output_dir={tmp_path}", f"model.name={model_dir}",
                "train.max_steps=2"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert rc == 1 and err.startswith("rapidfire: training failed:")
-    assert not (tmp_path / "tiny" / "run_summary.json").exists()
+    assert rc == 1 and err.startswith("rapidfire: training failed: rank "), err
+    assert err.endswith("no checkpoint was saved, so nothing to resume: run the same command again to start over"), err
+    summary = json.loads((tmp_path / "tiny" / "run_summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] in err and summary["model_dir"] is None
+    assert summary["steps_trained"] == 0 and summary["last_checkpoint"] is None
 
 
 def test_token_budget_run_trains_with_little_padding(ray_cluster, tmp_path):

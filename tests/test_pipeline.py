@@ -32,8 +32,13 @@ def test_pipeline_runs_three_stages_and_resumes_at_the_interrupted_one(ray_clust
     root = tmp_path / "pipe"
     monkeypatch.setenv("RAPIDFIRE_INJECT_CRASH", "reward:3")  # after the reward stage's step-2 checkpoint
     assert pipeline(tmp_path) == 1
-    assert (root / "sft" / "run_summary.json").is_file()
-    assert not (root / "reward" / "run_summary.json").exists()
+    assert json.loads((root / "sft" / "run_summary.json").read_text())["status"] == "completed"
+    # the failed stage leaves its summary too (status failed), and the pipeline's resume command
+    failed = json.loads((root / "reward" / "run_summary.json").read_text())
+    assert failed["status"] == "failed" and failed["last_checkpoint"].endswith("checkpoint-00000002"), failed
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("rapidfire: training failed: ") and last.endswith(" run.name=pipe " + " ".join(TINY)
+                                                                               + " --resume"), last
     assert not (root / "rl").exists()
     monkeypatch.delenv("RAPIDFIRE_INJECT_CRASH")
 

@@ -3,9 +3,10 @@ start and watch Ray Train's worker group."""
 from __future__ import annotations
 
 import contextlib
-import math
 import os
+import signal
 import socket
+import threading
 import time
 
 import ray
@@ -18,8 +19,9 @@ from ..config import worker_range
 from ..data.loader import DATA_DELAY_ENV
 from ..data.sharding import TRAIN
 from ..errors import RapidfireError, RunFailed
+from .failure import RunInterrupted, describe_failure
 from ..log import say
-from ..ps.driver import SHARD_CPUS
+from ..capacity import check_fits_here, fit_scale, machine_cpus
 from ..telemetry.control import ControlWatcher
 from ..telemetry.progress import ProgressPrinter
 
@@ -55,14 +57,40 @@ def _probe(address: str) -> None:
                              "is running there") from None
 
 
+# The embedded cluster this process started: its address and CPUs, and the factor the run's CPU
+# reservations are scaled by so that workers, actors and one CPU for Ray Data fit in them.
+_embedded: dict = {}
+
+
+def cpu_share(cpus: float) -> float:
+    """A CPU reservation (a worker's, an actor's) as made on the connected cluster: as asked on a
+    cluster joined with --address; on the embedded one scaled so the run fits this machine's CPUs
+    (the work still runs with the threads it was given; only Ray's bookkeeping is shared)."""
+    if _embedded and ray.is_initialized() and _embedded.get("address") == _gcs_address():
+        return round(cpus * _embedded["scale"], 4)
+    return cpus
+
+
+def _gcs_address() -> str | None:
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - not connected
+        return None
+
+
 def connect(address: str | None, cfg: DictConfig, extra_cpus: float = 0.0) -> None:
     """Join the cluster at `address`/RAY_ADDRESS (a `ray job submit` job has it set), reuse an
-    already connected one, or start an embedded local cluster big enough for the workers and
-    `extra_cpus` (the run's actors: the RL reward pool)."""
+    already connected one, or start an embedded local cluster of this machine's CPUs (never more:
+    `check_fits_here` refuses a run whose workers need more; when workers, the run's actors
+    (`extra_cpus`: the RL reward pool; parameter-server shards) and one CPU for Ray Data exceed
+    them, their reservations are scaled down to share them)."""
     log.quiet_libraries()
     if ray.is_initialized():
+        if _embedded and _embedded.get("address") == _gcs_address():
+            _embedded["scale"] = fit_scale(cfg, extra_cpus, _embedded["cpus"])  # this stage's share
         return
     address = address or os.environ.get("RAY_ADDRESS")
+    _embedded.clear()
     if address:
         _probe(address)
         # No runtime_env here: inside `ray job submit` it would replace the job's (its working_dir);
@@ -76,15 +104,16 @@ def connect(address: str | None, cfg: DictConfig, extra_cpus: float = 0.0) -> No
         log.filter_worker_output()
         say(f"connected to Ray cluster at {address}")
         return
-    need = worker_range(cfg)[1] * cfg.scaling.cpus_per_worker + extra_cpus
-    if cfg.communication.mode == "parameter_server":  # the shard actors' share (one shard by default here)
-        need += math.ceil(SHARD_CPUS * (cfg.communication.ps.num_shards or 1))
-    # One CPU beyond the workers' share, so Ray Data can still run tasks while they train.
-    num_cpus = max(os.cpu_count() or 1, math.ceil(need) + 1)
+    check_fits_here(cfg)
+    num_cpus = machine_cpus()
     ray.init(num_cpus=num_cpus, runtime_env={"env_vars": worker_env()}, log_to_driver=True,
              logging_level=log.ray_logging_level())
     log.filter_worker_output()
-    say(f"started an embedded local Ray cluster ({num_cpus} CPUs)")
+    scale = fit_scale(cfg, extra_cpus, num_cpus)
+    _embedded.update(address=_gcs_address(), cpus=num_cpus, scale=scale)
+    note = "" if scale == 1.0 else (f"; the run's CPU reservations scaled x{scale:.2f} to share them, "
+                                    "one kept for Ray Data")
+    say(f"started an embedded local Ray cluster ({num_cpus} CPUs{note})")
 
 
 def on_driver_node():
@@ -212,7 +241,7 @@ def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_
         loop,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=(lo, hi) if lo != hi else lo, use_gpu=cfg.scaling.use_gpu, **elastic,
-                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
+                                     resources_per_worker={"CPU": cpu_share(cfg.scaling.cpus_per_worker),
                                                            **cfg.scaling.resources_per_worker},
                                      placement_strategy=cfg.scaling.placement),
         run_config=RunConfig(
@@ -238,17 +267,56 @@ def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_
     wait_for_workers(scaling._resources_per_worker_not_none, lo, cfg.scaling.placement,
                      cfg.scaling.placement_timeout_s)
     say(start_line)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main_thread else None
+    interrupted = _watch_sigint(trainer)
     with ProgressPrinter(board), (ControlWatcher(control) if control is not None else contextlib.nullcontext()):
         try:
             result = trainer.fit()
+        except KeyboardInterrupt:
+            raise RunInterrupted("interrupted") from None
         except Exception as e:
-            raise RunFailed(f"training failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-        finally:  # checkpoints a restarted worker group resumed from unregistered: in Ray's record, pruned by keep
+            if interrupted:
+                raise RunInterrupted("interrupted") from None
+            raise RunFailed(f"training failed: {describe_failure(e)}") from e
+        finally:
+            if main_thread and previous is not None:
+                signal.signal(signal.SIGINT, previous)  # Ctrl-C after the run: Python's default again
+            # checkpoints a restarted worker group resumed from unregistered: in Ray's record, pruned by keep
             try:
                 settle_after_fit(os.path.join(os.path.abspath(cfg.run.output_dir), cfg.run.name),
                                  cfg.checkpoint.keep, say=say)
             except (OSError, ValueError) as e:
                 say(f"warning: could not reconcile the run's checkpoints with Ray Train's record ({e})")
+    if interrupted:
+        raise RunInterrupted("interrupted")
     if result.error is not None:
-        raise RunFailed(f"training failed: {result.error}")
+        raise RunFailed(f"training failed: {describe_failure(result.error)}") from result.error
     return result
+
+
+def _watch_sigint(trainer) -> list:
+    """Ctrl-C while Ray Train's fit() runs: Ray's own handler aborts the run gracefully and fit()
+    then returns as if it had ended. This one does the same and remembers it (the list returned
+    is non-empty once interrupted), so the driver reports an interrupted run; a third Ctrl-C
+    stops at once."""
+    interrupted: list = []
+    if not hasattr(trainer, "_register_sigint_handler") or threading.current_thread() is not threading.main_thread():
+        return interrupted
+
+    def register(controller):
+        def handler(signum, frame):
+            interrupted.append(time.time())
+            if len(interrupted) >= 3:
+                raise KeyboardInterrupt
+            if len(interrupted) == 1:
+                say("interrupt (Ctrl-C): stopping the workers (Ctrl-C twice more to stop at once)")
+                try:
+                    controller.abort.remote()
+                except Exception:  # noqa: BLE001 - the controller is already gone
+                    raise KeyboardInterrupt from None
+
+        signal.signal(signal.SIGINT, handler)
+
+    trainer._register_sigint_handler = register
+    return interrupted

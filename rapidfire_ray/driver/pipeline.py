@@ -3,6 +3,7 @@ ordinary `driver.run` in `<run.output_dir>/<run.name>/<stage>/`, starting from t
 stage's model. How stages chain, resume and are summarised: README, "Pipeline"."""
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -12,6 +13,8 @@ from ..atomic import atomic_write_json
 from ..config import load_config, worker_range
 from ..errors import RapidfireError
 from ..log import say
+from ..capacity import check_fits_here
+from . import failure
 from .cluster import connect
 from .run import run
 
@@ -66,8 +69,16 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def _stage_state(stage_dir: str) -> str:
     """done (its summary exists), partial (an earlier attempt left files), or new."""
-    if os.path.isfile(os.path.join(stage_dir, SUMMARY)):
-        return "done"
+    path = os.path.join(stage_dir, SUMMARY)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                status = json.load(f).get("status", "completed")  # summaries before `status`: completed runs
+        except (OSError, ValueError, AttributeError):
+            status = "completed"  # read again (and reported if broken) when the stage is skipped
+        if status == "completed":
+            return "done"
+        return "partial"  # a failed or interrupted attempt wrote its summary too
     if os.path.isdir(stage_dir) and os.listdir(stage_dir):
         return "partial"
     return "new"
@@ -91,6 +102,8 @@ def run_pipeline(cfg: DictConfig, *, address: str | None = None, resume: bool = 
     # One cluster for every stage: an embedded one is sized for the stage that needs the most CPUs
     # (the RL stage's reward actors too), so Ray Data still gets a CPU in each.
     extra = {s: c.rl.reward.num_actors * c.rl.reward.cpus_per_actor if s == "rl" else 0.0 for s, c in checked.items()}
+    for s in stages:
+        check_fits_here(checked[s], address=address)
     biggest = max(stages, key=lambda s: worker_range(checked[s])[1] * checked[s].scaling.cpus_per_worker + extra[s])
     connect(address, checked[biggest], extra_cpus=extra[biggest])
     states = {s: _stage_state(os.path.join(root, s)) for s in stages}
@@ -123,7 +136,11 @@ def run_pipeline(cfg: DictConfig, *, address: str | None = None, resume: bool = 
         say(f"pipeline stage {i}/{len(stages)} {s}: model {stage_cfg.model.name}"
             + (f", reward model {stage_cfg.rl.reward.model}" if s == "rl" and stage_cfg.rl.reward.model else "")
             + (", resuming from its latest checkpoint" if stage_resume else ""))
-        summaries[s] = run(stage_cfg, address=address, resume=stage_resume)
+        failure.in_pipeline = True  # a failed stage is continued by the pipeline's own --resume
+        try:
+            summaries[s] = run(stage_cfg, address=address, resume=stage_resume)
+        finally:
+            failure.in_pipeline = False
         outputs[s] = summaries[s].get("model_dir") or os.path.join(stage_dir, "model")
     summary = pipeline_summary(cfg, stages, summaries, root, wall_s=time.time() - t0)
     path = atomic_write_json(os.path.join(root, PIPELINE_SUMMARY), summary)

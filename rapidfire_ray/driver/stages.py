@@ -16,7 +16,7 @@ from ..data import preference
 from ..data.loader import DynamicBatches
 from ..data.prepare import build_sft_dataset, row_lengths
 from ..data.sharding import FULL
-from ..data.sources import list_data_files
+from ..data.precheck import check_data_files
 from ..errors import RapidfireError
 from ..log import say
 from ..memory import allocator
@@ -43,6 +43,7 @@ class StageSpec:
 
     rows_noun, more_rows = "rows", "more data"  # the too-few-rows error
     max_failures: int | None = None  # None: scaling.max_failures
+    resumable = True  # a failed run continues with --resume (from its last checkpoint)
 
     def __init__(self, cfg: DictConfig, run_dir: str, resume: bool):
         self.cfg, self.run_dir, self.resume = cfg, run_dir, resume
@@ -153,9 +154,9 @@ class SFTStage(StageSpec):
     def check(self) -> None:
         # A missing data path or an unusable model name fails before Ray starts (the tokenizer is
         # small; for smollm2-135m this also builds the converted-model cache the workers load).
-        list_data_files(self.cfg.data.path)
+        check_data_files(self.cfg.data.path, self.cfg.data.format)
         if self.cfg.data.eval_path is not None:
-            list_data_files(self.cfg.data.eval_path)
+            check_data_files(self.cfg.data.eval_path, self.cfg.data.format, "data.eval_path")
         load_tokenizer(self.cfg.model.name)
         _check_resume(self.run_dir, self.resume)
         if self.resume:  # the checkpoint to resume from, Ray Train's record made to agree (checkpoints/ledger.py)

@@ -15,6 +15,7 @@ import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ..capacity import SHARD_CPUS
 from ..errors import RapidfireError
 from ..models import load_model
 from ..checkpoints import refresh_manifest_entries
@@ -24,7 +25,6 @@ from .snapshots import snapshot_path
 from ..exchange.parameter_server import codec_options, shard_state_files
 
 
-SHARD_CPUS = 0.25  # reserved per shard actor: it decodes, steps AdamW and encodes as updates arrive
 
 
 def _atomic_torch_save(obj, path: str) -> None:
@@ -43,6 +43,8 @@ class ParameterServer:
             self.model = load_reward_model(cfg.model.name, torch.float32, load_tokenizer(cfg.model.name).pad_token_id)
         else:
             self.model = load_model(cfg.model.name, dtype=torch.float32)
+        from ..driver.cluster import cpu_share
+
         named = dict(self.model.named_parameters())
         nodes = sum(1 for n in ray.nodes() if n["Alive"])
         self.num_shards = ps.num_shards or max(1, nodes)
@@ -55,7 +57,7 @@ class ParameterServer:
         if resume:
             self._seed_snapshots(run_dir)
         self.handles, self.partition, self._pinned = launch_shards(
-            named.items(), self.num_shards, snapshot_dir=self.snapshot_dir, num_cpus=SHARD_CPUS,
+            named.items(), self.num_shards, snapshot_dir=self.snapshot_dir, num_cpus=cpu_share(SHARD_CPUS),
             name_prefix=f"rapidfire-ps-{cfg.run.name}", codec=cfg.optimizer.params.compression.grad,
             codec_opts=codec_options(OmegaConf.to_container(cfg, resolve=True)), max_staleness=ps.max_staleness,
             snapshot_every=ps.snapshot_every, lr_staleness_scaling=ps.lr_staleness_scaling,

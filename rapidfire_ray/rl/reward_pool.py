@@ -149,13 +149,15 @@ class RewardModelActor:
 
 def launch_reward_actors(cfg, path: str) -> list:
     """Start the pool's actors for run `cfg.run.name` and wait until each has loaded the model."""
+    from ..driver.cluster import cpu_share
+
     r = cfg.rl.reward
     actor_cls = ray.remote(RewardModelActor)
     actors = []
     for i in range(r.num_actors):
         actors.append(actor_cls.options(
             name=actor_name(cfg.run.name, i), max_restarts=r.max_restarts, max_task_retries=0,
-            num_cpus=r.cpus_per_actor, num_gpus=1 if r.use_gpu else 0, resources=dict(r.resources) or None,
+            num_cpus=cpu_share(r.cpus_per_actor), num_gpus=1 if r.use_gpu else 0, resources=dict(r.resources) or None,
         ).remote(path, max(1, int(r.cpus_per_actor)), cfg.data.max_length))
     try:
         ray.get([a.ready.remote() for a in actors], timeout=600)

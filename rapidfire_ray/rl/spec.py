@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from ..data.prompts import build_prompt_dataset, row_columns
 from ..driver.stages import StageData, StageSpec
+from ..data.precheck import check_data_files
 from ..errors import RapidfireError
 from ..log import say
 from ..models import load_tokenizer
@@ -63,6 +64,7 @@ class RLStage(StageSpec):
 
     rows_noun, more_rows = "prompts", "more prompts"
     max_failures = 0  # an RL run keeps no mid-run checkpoints to restart from
+    resumable = False
     eval_rows: list = []
     eval_report = None
     actors: list = []
@@ -72,6 +74,9 @@ class RLStage(StageSpec):
         if self.resume:
             raise RapidfireError("--resume: an RL run cannot be resumed yet (it keeps no mid-run checkpoints); start "
                                  "it again, under another run.name or after removing the old run folder")
+        check_data_files(cfg.data.path, "prompt")  # empty, unreadable, no `prompt` column: before Ray starts
+        if cfg.rl.eval_path:
+            check_data_files(cfg.rl.eval_path, "prompt", "rl.eval_path")
         policy_tokenizer = load_tokenizer(cfg.model.name)
         self.reward_path = resolve_reward_model(cfg)
         reward_tokenizer = check_reward_model(self.reward_path) if self.reward_path else None
