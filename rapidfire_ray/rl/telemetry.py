@@ -21,20 +21,17 @@ UPDATE_PHASES = ("forward", "backward", "optimizer", "communication")
 class RLStepTimer(StepTimer):
     """StepTimer with the rollout and reward phases beside the update's."""
 
+    phases = StepTimer.phases + RL_PHASES
+
     def __init__(self):
         super().__init__()
-        self._acc.update(dict.fromkeys(RL_PHASES, 0.0))
         self.generate_s = 0.0
         self.generated_tokens = 0
 
     def take(self) -> dict[str, float]:
-        extra = {k: self._acc.pop(k, 0.0) for k in RL_PHASES}
         out = super().take()
-        out.update(extra)
-        out["other"] = max(0.0, out["other"] - sum(extra.values()))
         out["generate"] = self.generate_s
         self.generate_s = 0.0
-        self._acc.update(dict.fromkeys(RL_PHASES, 0.0))
         return out
 
 

@@ -3,8 +3,6 @@ the exchange's and memory's counters, knobs in force) to the run board and Ray's
 endpoint, and rank 0's logged losses."""
 from __future__ import annotations
 
-import time
-
 from transformers import TrainerCallback
 
 from .records import StepRecord
@@ -29,15 +27,16 @@ class OptimizerClock(TrainerCallback):
     """Times the optimizer step into `self.timer`'s `optimizer` phase."""
 
     timer: StepTimer
-    _opt_start = None
+    _in_step = False
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._opt_start = time.perf_counter()
+        self.timer.begin("optimizer")
+        self._in_step = True
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        if self._opt_start is not None:
-            self.timer.add("optimizer", time.perf_counter() - self._opt_start)
-            self._opt_start = None
+        if self._in_step:
+            self.timer.end("optimizer")
+            self._in_step = False
 
 
 class StepRecorder(OptimizerClock):

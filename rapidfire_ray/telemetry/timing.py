@@ -1,9 +1,13 @@
 """Measured step-time breakdown: data wait, forward, backward, optimizer, communication.
 
 Each phase is timed where it happens (the loader, the trainer's loss and step, the optimizer
-callbacks, a DDP communication hook), with a device sync on CUDA so GPU work is counted in
-the phase that launched it. Gradient all-reduce overlaps the backward pass; the time any
-bucket was in flight counts as communication and is taken out of backward.
+callbacks, a DDP communication hook). A phase's time excludes the phases nested in it (the
+trainer's `training_step` holds its forward: backward is what is left), so phases never count
+twice. On CUDA the marks are CUDA events on the current stream, read once per step at `take()`
+(one wait for the step's last event instead of a device sync at every phase boundary), so GPU
+work is counted in the phase that launched it without stalling the launch queue. Gradient
+all-reduce overlaps the backward pass; the time any bucket was in flight counts as
+communication and is taken out of backward.
 """
 from __future__ import annotations
 
@@ -16,35 +20,66 @@ import torch
 PHASES = ("data_wait", "forward", "backward", "optimizer", "communication")
 
 
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+def _cuda_active() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+class _Frame:
+    """An open phase: its name, start mark and the (start, end) marks of the phases nested in it."""
+
+    __slots__ = ("name", "start", "children")
+
+    def __init__(self, name: str, start):
+        self.name, self.start, self.children = name, start, []
 
 
 class StepTimer:
     """Accumulates seconds per phase between two `take()` calls (one optimizer step)."""
 
+    phases: tuple[str, ...] = PHASES
+
     def __init__(self):
-        self._acc = dict.fromkeys(PHASES, 0.0)
+        self._acc = dict.fromkeys(self.phases, 0.0)
+        self._open: list[_Frame] = []
+        self._spans: list[tuple[str, object, object, list]] = []  # closed phases, resolved at take()
         self._comm: list[tuple[float, float]] = []
         self._lock = threading.Lock()
         self._step_start = time.perf_counter()
+        self._events = _cuda_active()  # CUDA events this step, host clock otherwise
+
+    def _mark(self):
+        if self._events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _elapsed(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000.0 if self._events else end - start
+
+    def begin(self, name: str) -> None:
+        """Start phase `name` (closed by `end(name)`); for seams with separate before/after calls."""
+        self._open.append(_Frame(name, self._mark()))
+
+    def end(self, name: str) -> None:
+        frame = self._open.pop()
+        if frame.name != name:
+            raise RuntimeError(f"step timer: phase {name!r} ended while {frame.name!r} is open")
+        stop = self._mark()
+        self._spans.append((name, frame.start, stop, frame.children))
+        if self._open:
+            self._open[-1].children.append((frame.start, stop))
 
     @contextmanager
     def phase(self, name: str):
-        _sync()
-        t0 = time.perf_counter()
+        self.begin(name)
         try:
             yield
         finally:
-            _sync()
-            self._acc[name] += time.perf_counter() - t0
-
-    def seconds(self, name: str) -> float:
-        """Seconds accumulated in phase `name` since the last `take()`."""
-        return self._acc[name]
+            self.end(name)
 
     def add(self, name: str, seconds: float) -> None:
+        """Host-measured seconds (e.g. the loader's wait) into phase `name`."""
         self._acc[name] += seconds
 
     def comm_interval(self, start: float, end: float) -> None:
@@ -62,17 +97,27 @@ class StepTimer:
             spans, self._comm = sorted(self._comm), []
         return _union_length(spans)
 
+    def _resolve(self) -> None:
+        spans, self._spans = self._spans, []
+        if self._events and spans:
+            spans[-1][2].synchronize()  # the step's last mark: every earlier one has completed
+        for name, start, stop, children in spans:
+            inner = sum(self._elapsed(s, e) for s, e in children)
+            self._acc[name] += max(0.0, self._elapsed(start, stop) - inner)
+
     def take(self) -> dict[str, float]:
         """Seconds per phase for the step that just ended, plus `step` (wall) and `other`."""
+        self._resolve()
         now = time.perf_counter()
         out = dict(self._acc)
         comm = self._comm_seconds()
         out["communication"] += comm
         out["backward"] = max(0.0, out["backward"] - comm)
         out["step"] = now - self._step_start
-        out["other"] = max(0.0, out["step"] - sum(out[p] for p in PHASES))
-        self._acc = dict.fromkeys(PHASES, 0.0)
+        out["other"] = max(0.0, out["step"] - sum(out[p] for p in self.phases))
+        self._acc = dict.fromkeys(self.phases, 0.0)
         self._step_start = now
+        self._events = _cuda_active()
         return out
 
 
