@@ -22,7 +22,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from ..config import load_config
 # The config loader's own YAML reading, override parsing and per-key checks (choices, ranges):
 # the experiment section is validated exactly like the rest of the config.
-from ..config.load import _check_section, _nest, _read_yaml, parse_overrides
+from ..config.load import _check_section, _known_keys, _nest, _read_yaml, _section_type, parse_overrides
 from ..config.schema import field, section, show
 from ..errors import RapidfireError
 
@@ -90,8 +90,11 @@ def read_profile(profile: Any, overrides=()) -> tuple[dict, dict]:
         data = _read_yaml(str(profile))
     else:
         data = dict(profile or {})
+    exp = data.pop("experiment", None)  # before nesting: search keys stay dotted
+    for key in [k for k in data if isinstance(k, str) and k.startswith("experiment.")]:
+        exp = exp if isinstance(exp, dict) else {}
+        _nest_into(exp, key[len("experiment."):], data.pop(key))
     data = _nest(data, "profile")
-    exp = data.pop("experiment", None)
     if exp is None:
         raise RapidfireError(f"profile {show(str(profile))}: no 'experiment' section; add one with experiment.search "
                              "(see jobs/configs/experiment_tiny.yaml), or run it with rapidfire train")
@@ -104,7 +107,23 @@ def read_profile(profile: Any, overrides=()) -> tuple[dict, dict]:
             _nest_into(exp, key[len("experiment."):], value)
         else:
             base_over[key] = value
-    return _merge_plain(data, base_over), dict(exp)
+    exp = dict(exp)
+    if isinstance(exp.get("search"), Mapping):
+        exp["search"] = flat_search(exp["search"])
+    return _merge_plain(data, base_over), exp
+
+
+def flat_search(search: Mapping, prefix: str = "") -> dict:
+    """{optimizer: {params: {lr: [..]}}} and {optimizer.params.lr: [..]} alike -> dotted keys
+    (a mapping with low/high is a range, not a section)."""
+    out = {}
+    for key, value in search.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and not ({"low", "high"} & set(value)):
+            out.update(flat_search(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
 
 
 def _nest_into(node: dict, dotted: str, value) -> None:
@@ -150,6 +169,10 @@ def _check_search(node) -> None:
         if any(key == p.rstrip(".") or key.startswith(p) for p in FIXED_PREFIXES):
             raise RapidfireError(f"{where}: cannot be searched (every config trains the same chunks of the same "
                                  "data on the same base model); set it in the base config")
+        parent, _, name = key.rpartition(".")
+        if _section_type(parent) is None or name not in _known_keys(parent):
+            known = ", ".join(_known_keys(parent)) if _section_type(parent) is not None else "see rapidfire config"
+            raise RapidfireError(f"{where}: unknown config key '{key}'; known keys under '{parent}': {known}")
         if isinstance(values, list):
             if not values:
                 raise RapidfireError(f"{where}: an empty list; give the values to try")
