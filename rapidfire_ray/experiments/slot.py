@@ -14,6 +14,7 @@ import io
 import math
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -44,23 +45,35 @@ class ConfigRun:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
                                            weight_decay=o["weight_decay"])
+        self.schedule = [o["lr"], t["lr_scheduler"], t["warmup_steps"], max(1, total_steps)]
+        self.step = 0
+        if state is not None:
+            self._restore_weights(state)
         from transformers import get_scheduler
 
         self.scheduler = get_scheduler(t["lr_scheduler"], self.optimizer, num_warmup_steps=t["warmup_steps"],
                                        num_training_steps=max(1, total_steps))
-        self.step = 0
         if state is not None:
-            self._restore(state)
+            if state.get("schedule") == self.schedule:
+                self.scheduler.load_state_dict(state["scheduler"])
+                for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                    group["lr"] = lr  # (load_state_dict restores the schedule's position, not the groups' lr)
+            else:  # a warm clone with other values: this config's schedule, at the parent's step
+                for _ in range(self.step):
+                    self.scheduler.step()
+            torch.set_rng_state(state["rng"])
 
-    def _restore(self, state: dict) -> None:
+    def _restore_weights(self, state: dict) -> None:
         from peft import set_peft_model_state_dict
 
-        missing = set_peft_model_state_dict(self.model, state["adapter"]).unexpected_keys
-        if missing:
-            raise ValueError(f"adapter state does not fit this config's LoRA ({len(missing)} unexpected keys)")
+        unexpected = set_peft_model_state_dict(self.model, state["adapter"]).unexpected_keys
+        if unexpected:
+            raise ValueError(f"adapter state does not fit this config's LoRA ({len(unexpected)} unexpected keys)")
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
+        o = self.cfg["optimizer"]["params"]
+        for group in self.optimizer.param_groups:  # the moments are the state's; the values are this config's
+            group.update(lr=o["lr"], initial_lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                         weight_decay=o["weight_decay"])
         self.step = state["step"]
 
     def state(self) -> dict:
@@ -68,7 +81,7 @@ class ConfigRun:
 
         adapter = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()}
         return {"adapter": adapter, "optimizer": _to_cpu(self.optimizer.state_dict()),
-                "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(), "step": self.step,
+                "scheduler": self.scheduler.state_dict(), "schedule": self.schedule, "rng": torch.get_rng_state(), "step": self.step,
                 "lora": dict(self.cfg["model"]["lora"])}
 
     def release(self) -> torch.nn.Module:
@@ -161,6 +174,10 @@ class Slot:
 
     def __init__(self, model_name: str, threads: int = 1, use_gpu: bool = False):
         torch.set_num_threads(max(1, threads))
+        # peft's get_peft_model trips transformers' deprecation of is_gradient_checkpointing (its chatter)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        import peft  # noqa: F401 - imported once here, so the first swap-in measures a swap, not an import
+        import transformers.optimization  # noqa: F401
         self.device = "cuda" if use_gpu else "cpu"
         self.model_name = model_name
         self.tokenizer = load_tokenizer(model_name)

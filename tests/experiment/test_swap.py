@@ -1,6 +1,7 @@
 """A config swapped out and back in between chunks continues exactly as one never swapped (CPU)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rapidfire_ray.experiments.slot import ConfigRun, Slot, dumps, loads, steps_for
@@ -84,3 +85,16 @@ def test_slot_keeps_its_base_model_and_reports_swaps(tmp_path):
     assert (tmp_path / "c0" / "state.pt").read_bytes() == data
     record2, _ = slot.train_chunk(cfg, data, CHUNKS[1], EVAL, 4, None)
     assert record2["step"] == 4
+
+
+def test_warm_start_with_a_new_learning_rate_uses_it_from_the_parents_step():
+    parent_cfg = plain_config()
+    run = ConfigRun(load_model("tiny-random"), parent_cfg, 4)
+    run.train_rows(CHUNKS[0], 0)
+    state = run.state()
+    base = run.release()
+    child_cfg = plain_config(**{"optimizer.params.lr": 1e-3})
+    child = ConfigRun(base, child_cfg, 4, state)
+    # linear decay over 4 steps, 2 done: half of the child's own peak learning rate
+    assert child.step == 2 and child.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)
+    assert torch.equal(child.optimizer.state_dict()["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
