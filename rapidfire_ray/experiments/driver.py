@@ -43,6 +43,10 @@ def run_experiment(profile, overrides=(), *, address: str | None = None, resume:
     connect(address, base_cfg)
     data = _Data(exp, base_cfg)
     say(data.line)
+    if previous and previous.get("chunk_rows") != [len(c) for c in data.chunks]:
+        raise RapidfireError(f"--resume: the chunks differ from the stopped experiment's ({previous.get('chunk_rows')} "
+                             f"rows, now {[len(c) for c in data.chunks]}); keep data.*, experiment.rows, eval_* and "
+                             "num_chunks as they were")
     sched = ChunkScheduler(spec.num_chunks, spec.policy, spec.eta, spec.min_chunks)
     for cut in (previous or {}).get("cuts", []):
         sched.cuts_made.add(cut["after_chunk"])
@@ -189,7 +193,7 @@ class _Experiment:
         self.info[cand.id]["total_steps"] = sum(steps_for(len(c), cfg) for c in self.data.chunks)
         if old:
             chunks_done = old.get("chunks_done", 0)
-            path = self.state_path(cand.id)
+            path = self.state_path(cand.id, chunks_done)
             if chunks_done and os.path.isfile(path):
                 with open(path, "rb") as f:
                     state = ray.put(f.read())
@@ -203,8 +207,17 @@ class _Experiment:
             self.sched.add(cand.id, chunks_done)
         self.states[cand.id] = state
 
-    def state_path(self, cid: str) -> str:
-        return os.path.join(self.folder, "configs", cid, "state.pt")
+    def state_path(self, cid: str, chunks_done: int) -> str:
+        """A config's state after `chunks_done` chunks. Named by chunk: a crash after the slot wrote
+        it but before the summary counted it leaves the summary's own boundary on storage."""
+        return os.path.join(self.folder, "configs", cid, f"state-chunk{chunks_done}.pt")
+
+    def prune_states(self, cid: str, chunks_done: int) -> None:
+        """Keep the states of the last two boundaries the summary has counted."""
+        for k in range(max(0, chunks_done - 1)):
+            path = self.state_path(cid, k)
+            if os.path.exists(path):
+                os.remove(path)
 
     def loop(self) -> None:
         free = list(range(len(self.slots)))
@@ -233,7 +246,7 @@ class _Experiment:
         info = self.info[cid]
         rec_ref, state_ref = self.slots[slot_index].train_chunk.options(num_returns=2).remote(
             info["plain"], self.states[cid], self.data.chunk_refs[chunk], self.data.eval_ref, info["total_steps"],
-            self.state_path(cid))
+            self.state_path(cid, chunk + 1))
         self.inflight[rec_ref] = (slot_index, cid, chunk, state_ref, time.time())
 
     def collect(self, ref) -> int:
@@ -271,6 +284,7 @@ class _Experiment:
             f"{record['steps']} steps {record['train_s']:.1f}s | swap in {record['swap_in_s']:.2f}s out "
             f"{record['swap_out_s']:.2f}s ({100 * record['swap_fraction']:.1f}%)")
         self.write("running")
+        self.prune_states(cid, chunk + 1)
         return slot_index
 
     def publish(self) -> None:

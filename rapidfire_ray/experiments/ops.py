@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import ray
@@ -76,6 +77,11 @@ def _clone(run, op, entry) -> str:
             warm_from=parent.id if warm else None)
     if cand.error is not None:
         return f"clone {cid} failed: {cand.error}"
+    if warm:  # its own copy of the parent's boundary state, for --resume before its first chunk
+        src, dst = run.state_path(parent.id, entry.chunks_done), run.state_path(cid, entry.chunks_done)
+        if os.path.isfile(src):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copyfile(src, dst)
     start = entry.chunks_done + 1 if warm else 1
     return f"cloned as {cid} ({short_values(cand.values)}), {'warm' if warm else 'cold'}, from chunk {start}"
 

@@ -34,7 +34,7 @@ def test_three_configs_two_chunks_side_by_side_and_a_bad_one_failed(ray_cluster,
         assert c["state"] == "done" and [h["chunk"] for h in c["history"]] == [1, 2]
         assert [h["steps"] for h in c["history"]] == [2, 2] and c["history"][-1]["step"] == 4
         assert all(h["swap_in_s"] >= 0 and h["swap_out_s"] >= 0 for h in c["history"])
-        assert (folder / "configs" / cid / "state.pt").is_file()
+        assert (folder / "configs" / cid / "state-chunk2.pt").is_file() and (folder / "configs" / cid / "state-chunk1.pt").is_file()
     # a higher learning rate learns more of the same 32 rows in 4 steps (lr 1e-3 < 3e-3 < 1e-2)
     assert configs["c2"]["score"] < configs["c3"]["score"] < configs["c0"]["score"]
     assert summary["best"]["id"] == "c2" and summary["swap"]["chunks"] == 6
@@ -97,3 +97,26 @@ def test_successive_halving_and_live_ctl_ops(ray_cluster, tmp_path):
     lines = (tmp_path / "exp-ctl" / "ctl_log.jsonl").read_text().splitlines()
     # (in the order applied: a stop waits while its config is mid-chunk, a clone does not)
     assert sorted(json.loads(line)["op"] for line in lines) == ["clone", "stop"]
+
+
+def test_resume_continues_from_the_last_boundary_on_storage(ray_cluster, tmp_path):
+    """A crash after c0's chunk 1 was counted: --resume trains its chunk 2 again, from the chunk-1
+    state on storage, and reaches the very same held-out loss as the uninterrupted run."""
+    overrides = {"run.output_dir": str(tmp_path), "run.name": "exp-resume",
+                 "experiment.search.optimizer.params.lr": [1e-2, 3e-3]}
+    first = rapidfire_ray.experiment(PROFILE, overrides=overrides)
+    folder = tmp_path / "exp-resume"
+    crashed = json.loads(json.dumps(first))
+    c0 = crashed["configs"][0]
+    c0.update(state="running", chunks_done=1, history=c0["history"][:1], score=c0["history"][0]["score"])
+    crashed["status"] = "interrupted"
+    (folder / "experiment_summary.json").write_text(json.dumps(crashed))
+    (folder / "configs" / "c0" / "state-chunk2.pt").unlink()
+
+    again = rapidfire_ray.experiment(PROFILE, overrides=overrides, resume=True)
+    before, after = first["configs"][0], again["configs"][0]
+    assert after["state"] == "done" and [h["chunk"] for h in after["history"]] == [1, 2]
+    assert after["history"][1]["eval_loss"] == before["history"][1]["eval_loss"]
+    assert after["history"][1]["train_loss"] == before["history"][1]["train_loss"]
+    assert again["configs"][1]["history"] == first["configs"][1]["history"]  # c1 was done: not trained again
+    assert again["config_chunks"] == 4 and again["status"] == "completed"
