@@ -49,6 +49,25 @@ def test_three_configs_two_chunks_side_by_side_and_a_bad_one_failed(ray_cluster,
     with pytest.raises(RapidfireError, match="already has experiment_summary.json; pass --resume"):
         rapidfire_ray.experiment(PROFILE, overrides={"run.output_dir": str(tmp_path)})
 
+    # --resume after a crash that came right after c0's chunk 1 was counted: c0 trains chunk 2 again
+    # from the chunk-1 state on storage and reaches the very same held-out loss; the others are done
+    crashed = json.loads(json.dumps(summary))
+    c0 = crashed["configs"][0]
+    c0.update(state="running", chunks_done=1, history=c0["history"][:1], score=c0["history"][0]["score"])
+    crashed["status"] = "interrupted"
+    (folder / "experiment_summary.json").write_text(json.dumps(crashed))
+    (folder / "configs" / "c0" / "state-chunk2.pt").unlink()
+    again = rapidfire_ray.experiment(PROFILE, resume=True, overrides={
+        "run.output_dir": str(tmp_path), "experiment.search.optimizer.params.lr": [1e-3, 5.0, 1e-2, 3e-3]})
+    before, after = summary["configs"][0], again["configs"][0]
+    assert after["state"] == "done" and [h["chunk"] for h in after["history"]] == [1, 2]
+    assert after["history"][1]["eval_loss"] == before["history"][1]["eval_loss"]
+    assert after["history"][1]["train_loss"] == before["history"][1]["train_loss"]
+    for i in (2, 3):  # done before the crash: not trained again
+        assert again["configs"][i]["history"] == summary["configs"][i]["history"]
+    assert again["configs"][1]["state"] == "failed" and again["config_chunks"] == 6
+    assert again["status"] == "completed"
+
 
 def test_successive_halving_and_live_ctl_ops(ray_cluster, tmp_path):
     """Ops queued through the controller while the experiment runs are applied at a chunk boundary."""
@@ -98,25 +117,3 @@ def test_successive_halving_and_live_ctl_ops(ray_cluster, tmp_path):
     # (in the order applied: a stop waits while its config is mid-chunk, a clone does not)
     assert sorted(json.loads(line)["op"] for line in lines) == ["clone", "stop"]
 
-
-def test_resume_continues_from_the_last_boundary_on_storage(ray_cluster, tmp_path):
-    """A crash after c0's chunk 1 was counted: --resume trains its chunk 2 again, from the chunk-1
-    state on storage, and reaches the very same held-out loss as the uninterrupted run."""
-    overrides = {"run.output_dir": str(tmp_path), "run.name": "exp-resume",
-                 "experiment.search.optimizer.params.lr": [1e-2, 3e-3]}
-    first = rapidfire_ray.experiment(PROFILE, overrides=overrides)
-    folder = tmp_path / "exp-resume"
-    crashed = json.loads(json.dumps(first))
-    c0 = crashed["configs"][0]
-    c0.update(state="running", chunks_done=1, history=c0["history"][:1], score=c0["history"][0]["score"])
-    crashed["status"] = "interrupted"
-    (folder / "experiment_summary.json").write_text(json.dumps(crashed))
-    (folder / "configs" / "c0" / "state-chunk2.pt").unlink()
-
-    again = rapidfire_ray.experiment(PROFILE, overrides=overrides, resume=True)
-    before, after = first["configs"][0], again["configs"][0]
-    assert after["state"] == "done" and [h["chunk"] for h in after["history"]] == [1, 2]
-    assert after["history"][1]["eval_loss"] == before["history"][1]["eval_loss"]
-    assert after["history"][1]["train_loss"] == before["history"][1]["train_loss"]
-    assert again["configs"][1]["history"] == first["configs"][1]["history"]  # c1 was done: not trained again
-    assert again["config_chunks"] == 4 and again["status"] == "completed"
