@@ -6,7 +6,7 @@ from typing import Any, Mapping
 from .errors import RapidfireError, RunFailed
 
 __version__ = "0.1.0"
-__all__ = ["RapidfireError", "RunFailed", "optimized_graph", "train", "__version__"]
+__all__ = ["RapidfireError", "RunFailed", "experiment", "experiment_ctl", "optimized_graph", "train", "__version__"]
 
 
 def __getattr__(name: str):
@@ -31,3 +31,21 @@ def train(profile: Any = None, *, address: str | None = None, resume: bool = Fal
 
     cfg = load_config(profile, {**more, **(overrides or {})})
     return (run_pipeline if cfg.train.stage == "pipeline" else run)(cfg, address=address, resume=resume)
+
+
+def experiment(profile: Any, *, address: str | None = None, resume: bool = False,
+               overrides: Mapping[str, Any] | None = None, **more: Any) -> dict:
+    """Run an experiment (a profile with an `experiment` section: many configs side by side, chunk by
+    chunk) and return its summary (the contents of `experiment_summary.json`). Overrides as in
+    `train`; `experiment.*` keys reach the experiment section."""
+    from .experiments import run_experiment
+
+    return run_experiment(profile, {**more, **(overrides or {})}, address=address, resume=resume)
+
+
+def experiment_ctl(op: str, run: str, overrides: Mapping[str, Any] | None = None, *, warm: bool = False,
+                   experiment: str | None = None, address: str | None = None) -> dict:
+    """stop / resume / delete / clone (`overrides`, `warm`) a config of a running experiment."""
+    from .experiments import ctl
+
+    return ctl(op, run, dict(overrides or {}), warm=warm, experiment=experiment, address=address)

@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     # their name; listed here for `rapidfire --help`.
     for name, text in (("doctor", "check a profile, a sample of its data and the cluster before a run"),
                        ("report", "draw a finished run's loss, throughput and step-time breakdown (PNG)"),
-                       ("monitor", "watch a running run's metrics live; change its knobs (--adjust_parameters)")):
+                       ("monitor", "watch a running run's metrics live; change its knobs (--adjust_parameters)"),
+                       ("experiment", "many LoRA configs side by side, compared chunk by chunk; status, ctl")):
         sub.add_parser(name, help=text, add_help=False)
     return p
 
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         from importlib import import_module
 
         return import_module(f".{argv[0]}", __package__).main(argv[1:])
+    if argv and argv[0] == "experiment":
+        from .experiments.cli import main as experiment_main
+
+        return experiment_main(argv[1:])
     # Overrides and flags in any order: `train --profile P a=1 --resume b=2`.
     args = _parse(argv)
     try:

@@ -29,7 +29,11 @@ def load_config(profile: ProfileLike = None, overrides: Iterable[str] | Mapping[
     if profile is not None:
         if isinstance(profile, (str, os.PathLike)):
             where = str(profile)
-            _merge(cfg, _read_yaml(where), where)
+            data = _read_yaml(where)
+            if "experiment" in data:
+                raise RapidfireError(f"profile '{where}' has an experiment section (many configs); run it with "
+                                     f"rapidfire experiment --profile {where}")
+            _merge(cfg, data, where)
         else:
             where = "the config mapping"
             data = OmegaConf.to_container(profile) if isinstance(profile, DictConfig) else dict(profile)

@@ -222,7 +222,14 @@ def test_from_plain_rebuilds_the_typed_read_only_config_a_worker_gets():
     from paths import REPO
     from rapidfire_ray.config import from_plain, worker_range
 
+    from rapidfire_ray.experiments import load_experiment
+
     for path in sorted(glob.glob(os.path.join(REPO, "jobs", "configs", "*.yaml"))):
+        if os.path.basename(path).startswith("experiment_"):  # an experiment profile: every config it expands to
+            assert all(c.error is None for c in load_experiment(path).candidates), path
+            with pytest.raises(RapidfireError, match="has an experiment section.*rapidfire experiment --profile"):
+                load_config(path)
+            continue
         cfg = load_config(path)
         again = from_plain(OmegaConf.to_container(cfg, resolve=True))
         assert again == cfg and OmegaConf.get_type(again.train).__name__ == "TrainSection", path

@@ -1,0 +1,216 @@
+"""A training slot: one process that keeps a base model loaded and trains configs on it one chunk
+at a time, swapping each config's LoRA adapter, optimizer, LR scheduler and RNG in and out.
+
+The SFT stage's TRL trainer is built for one config per worker group for the whole run; a swap
+loop needs the optimizer and schedule restored into a fresh adapter every chunk, so the slot runs
+its own small step (`ConfigRun`): the same tokenised rows (data/prepare.py), batched by the
+project's `collate`, the same loss as the SFT stage (token-summed cross entropy over the trained
+tokens divided by the step's trained-token count: TRL's `num_items_in_batch` normalisation), torch
+AdamW with the config's betas/eps/weight decay, transformers' LR schedule, and grad clipping.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from ..data.loader import collate
+from ..models import load_model, load_tokenizer
+from ..models.lora import CAUSAL_LM, apply_lora
+
+
+def steps_for(num_rows: int, cfg) -> int:
+    """Optimizer steps one chunk of `num_rows` rows takes for this config."""
+    per_step = cfg["train"]["per_device_batch_size"] * cfg["train"]["gradient_accumulation_steps"]
+    return math.ceil(num_rows / per_step)
+
+
+class ConfigRun:
+    """One config on a slot's base model: its adapter, optimizer, schedule and RNG, trained step by
+    step. `state()` is everything needed to continue exactly; `release()` hands the base back."""
+
+    def __init__(self, base: torch.nn.Module, cfg: dict, total_steps: int, state: dict | None = None,
+                 device: str = "cpu"):
+        self.cfg, self.device = cfg, device
+        t, o = cfg["train"], cfg["optimizer"]["params"]
+        if state is None:
+            torch.manual_seed(cfg["run"]["seed"])  # the adapter's init, then its dropout, from the config's seed
+        self.model = apply_lora(base, cfg["model"]["lora"], CAUSAL_LM, cfg["model"]["name"])
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                                           weight_decay=o["weight_decay"])
+        self.schedule = [o["lr"], t["lr_scheduler"], t["warmup_steps"], max(1, total_steps)]
+        self.step = 0
+        if state is not None:
+            self._restore_weights(state)
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(t["lr_scheduler"], self.optimizer, num_warmup_steps=t["warmup_steps"],
+                                       num_training_steps=max(1, total_steps))
+        if state is not None:
+            if state.get("schedule") == self.schedule:
+                self.scheduler.load_state_dict(state["scheduler"])
+                for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                    group["lr"] = lr  # (load_state_dict restores the schedule's position, not the groups' lr)
+            else:  # a warm clone with other values: this config's schedule, at the parent's step
+                for _ in range(self.step):
+                    self.scheduler.step()
+            torch.set_rng_state(state["rng"])
+
+    def _restore_weights(self, state: dict) -> None:
+        from peft import set_peft_model_state_dict
+
+        unexpected = set_peft_model_state_dict(self.model, state["adapter"]).unexpected_keys
+        if unexpected:
+            raise ValueError(f"adapter state does not fit this config's LoRA ({len(unexpected)} unexpected keys)")
+        self.optimizer.load_state_dict(state["optimizer"])
+        o = self.cfg["optimizer"]["params"]
+        for group in self.optimizer.param_groups:  # the moments are the state's; the values are this config's
+            group.update(lr=o["lr"], initial_lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                         weight_decay=o["weight_decay"])
+        self.step = state["step"]
+
+    def state(self) -> dict:
+        from peft import get_peft_model_state_dict
+
+        adapter = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()}
+        return {"adapter": adapter, "optimizer": _to_cpu(self.optimizer.state_dict()),
+                "scheduler": self.scheduler.state_dict(), "schedule": self.schedule, "rng": torch.get_rng_state(), "step": self.step,
+                "lora": dict(self.cfg["model"]["lora"])}
+
+    def release(self) -> torch.nn.Module:
+        """The base model without this config's adapter (for the next config)."""
+        base = self.model.unload()
+        self.model = None
+        return base
+
+    def train_rows(self, rows: list[dict], pad_id: int) -> list[float]:
+        """Train on `rows` in order, one optimizer step per per_device_batch_size x accumulation rows;
+        the loss of each step."""
+        t = self.cfg["train"]
+        micro, accum = t["per_device_batch_size"], t["gradient_accumulation_steps"]
+        losses = []
+        for start in range(0, len(rows), micro * accum):
+            step_rows = rows[start:start + micro * accum]
+            batches = [collate(step_rows[i:i + micro], pad_id) for i in range(0, len(step_rows), micro)]
+            items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+            total = 0.0
+            for batch in batches:
+                loss = _summed_loss(self.model, batch, self.device) / max(1, items)
+                loss.backward()
+                total += float(loss.detach())
+            if t["grad_clip"] > 0:
+                torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                               t["grad_clip"])
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            losses.append(total)
+        return losses
+
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict], pad_id: int) -> float:
+        """Held-out loss: summed cross entropy over every trained token of `rows` / their count."""
+        self.model.eval()
+        size = self.cfg["train"]["per_device_batch_size"]
+        total, items = 0.0, 0
+        try:
+            for i in range(0, len(rows), size):
+                batch = collate(rows[i:i + size], pad_id)
+                total += float(_summed_loss(self.model, batch, self.device))
+                items += int((batch["labels"][:, 1:] != -100).sum())
+        finally:
+            self.model.train()
+        return total / max(1, items)
+
+
+def _summed_loss(model, batch: dict, device: str) -> torch.Tensor:
+    batch = {k: v.to(device) for k, v in batch.items()}
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+                                             batch["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def dumps(state: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def loads(data: bytes) -> dict:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def write_state(path: str, data: bytes) -> None:
+    """A config's state at a chunk boundary, atomically (a lost slot or --resume reads it back)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Slot:
+    """The slot's process (a Ray actor in an experiment): the base model stays loaded between chunks."""
+
+    def __init__(self, model_name: str, threads: int = 1, use_gpu: bool = False):
+        torch.set_num_threads(max(1, threads))
+        # peft's get_peft_model trips transformers' deprecation of is_gradient_checkpointing (its chatter)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        import peft  # noqa: F401 - imported once here, so the first swap-in measures a swap, not an import
+        import transformers.optimization  # noqa: F401
+        self.device = "cuda" if use_gpu else "cpu"
+        self.model_name = model_name
+        self.tokenizer = load_tokenizer(model_name)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.base = load_model(model_name).to(self.device)
+
+    def train_chunk(self, cfg: dict, state: Any, rows: list[dict], eval_rows: list[dict], total_steps: int,
+                    state_path: str | None) -> tuple[dict, bytes]:
+        """Swap the config in (its state bytes, or a fresh adapter for None), train `rows`, evaluate,
+        swap it out; returns (record, state bytes). Swap times are measured around each side."""
+        t0 = time.perf_counter()
+        try:
+            run = ConfigRun(self.base, cfg, total_steps, loads(state) if state is not None else None, self.device)
+        except BaseException:
+            self.base = load_model(self.model_name).to(self.device)  # the adapter may be half applied
+            raise
+        swap_in = time.perf_counter() - t0
+        try:
+            t1 = time.perf_counter()
+            losses = run.train_rows(rows, self.pad_id)
+            train_s = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            eval_loss = run.evaluate(eval_rows, self.pad_id)
+            eval_s = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            data = dumps(run.state())
+            if state_path:
+                write_state(state_path, data)
+        finally:
+            self.base = run.release()
+        swap_out = time.perf_counter() - t3
+        record = {"steps": len(losses), "step": run.step, "train_loss": losses[-1] if losses else None,
+                  "eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)), "train_s": train_s,
+                  "eval_s": eval_s, "swap_in_s": swap_in, "swap_out_s": swap_out, "state_bytes": len(data),
+                  "pid": os.getpid()}
+        return record, data

@@ -1,0 +1,119 @@
+"""`rapidfire experiment` end to end on the session's Ray cluster with the tiny random model."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import ray
+
+import rapidfire_ray
+from rapidfire_ray.cli import main
+from rapidfire_ray.errors import RapidfireError
+
+from tests.paths import REPO
+
+PROFILE = f"{REPO}/jobs/configs/experiment_tiny.yaml"
+
+
+def _summary(folder) -> dict:
+    return json.loads((folder / "experiment_summary.json").read_text())
+
+
+def test_three_configs_two_chunks_side_by_side_and_a_bad_one_failed(ray_cluster, tmp_path, capsys):
+    summary = rapidfire_ray.experiment(PROFILE, overrides={
+        "run.output_dir": str(tmp_path), "experiment.search.optimizer.params.lr": [1e-3, 5.0, 1e-2, 3e-3]})
+    folder = tmp_path / "experiment-tiny"
+    assert summary == _summary(folder) and summary["status"] == "completed"
+    configs = {c["id"]: c for c in summary["configs"]}
+    assert configs["c1"]["state"] == "failed" and "optimizer.params.lr" in configs["c1"]["error"]
+    assert summary["chunk_rows"] == [16, 16] and summary["eval_rows"] == 16
+    for cid in ("c0", "c2", "c3"):
+        c = configs[cid]
+        assert c["state"] == "done" and [h["chunk"] for h in c["history"]] == [1, 2]
+        assert [h["steps"] for h in c["history"]] == [2, 2] and c["history"][-1]["step"] == 4
+        assert all(h["swap_in_s"] >= 0 and h["swap_out_s"] >= 0 for h in c["history"])
+        assert (folder / "configs" / cid / "state-chunk2.pt").is_file() and (folder / "configs" / cid / "state-chunk1.pt").is_file()
+    # a higher learning rate learns more of the same 32 rows in 4 steps (lr 1e-3 < 3e-3 < 1e-2)
+    assert configs["c2"]["score"] < configs["c3"]["score"] < configs["c0"]["score"]
+    assert summary["best"]["id"] == "c2" and summary["swap"]["chunks"] == 6
+    out = capsys.readouterr().out
+    assert "chunk 2/2 | c2 (lr=0.01) | eval_loss" in out and "failed validation" in out
+
+    assert main(["experiment", "status", str(folder)]) == 0
+    board = capsys.readouterr().out.splitlines()
+    assert board[0].startswith("experiment experiment-tiny (completed, policy none): 3 done, 1 failed")
+    assert board[2].split()[:5] == ["1", "c2", "lr=0.01", "2/2", f"{configs['c2']['score']:.4f}"]
+
+    with pytest.raises(RapidfireError, match="already has experiment_summary.json; pass --resume"):
+        rapidfire_ray.experiment(PROFILE, overrides={"run.output_dir": str(tmp_path)})
+
+    # --resume after a crash that came right after c0's chunk 1 was counted: c0 trains chunk 2 again
+    # from the chunk-1 state on storage and reaches the very same held-out loss; the others are done
+    crashed = json.loads(json.dumps(summary))
+    c0 = crashed["configs"][0]
+    c0.update(state="running", chunks_done=1, history=c0["history"][:1], score=c0["history"][0]["score"])
+    crashed["status"] = "interrupted"
+    (folder / "experiment_summary.json").write_text(json.dumps(crashed))
+    (folder / "configs" / "c0" / "state-chunk2.pt").unlink()
+    again = rapidfire_ray.experiment(PROFILE, resume=True, overrides={
+        "run.output_dir": str(tmp_path), "experiment.search.optimizer.params.lr": [1e-3, 5.0, 1e-2, 3e-3]})
+    before, after = summary["configs"][0], again["configs"][0]
+    assert after["state"] == "done" and [h["chunk"] for h in after["history"]] == [1, 2]
+    assert after["history"][1]["eval_loss"] == before["history"][1]["eval_loss"]
+    assert after["history"][1]["train_loss"] == before["history"][1]["train_loss"]
+    for i in (2, 3):  # done before the crash: not trained again
+        assert again["configs"][i]["history"] == summary["configs"][i]["history"]
+    assert again["configs"][1]["state"] == "failed" and again["config_chunks"] == 6
+    assert again["status"] == "completed"
+
+
+def test_successive_halving_and_live_ctl_ops(ray_cluster, tmp_path):
+    """Ops queued through the controller while the experiment runs are applied at a chunk boundary."""
+    overrides = {"run.output_dir": str(tmp_path), "run.name": "exp-ctl", "experiment.num_chunks": 3,
+                 "experiment.rows": 36, "experiment.policy": "successive_halving", "experiment.eta": 2,
+                 "experiment.min_chunks": 2, "experiment.num_slots": 2,
+                 "experiment.search.optimizer.params.lr": [1e-3, 1e-2, 3e-3]}
+    queued = []
+
+    def steer():
+        from rapidfire_ray.experiments.control import controller_name, NAMESPACE
+
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                ray.get_actor(controller_name("exp-ctl"), namespace=NAMESPACE)
+                break
+            except ValueError:
+                time.sleep(0.05)
+        queued.append(rapidfire_ray.experiment_ctl("stop", "c0", experiment="exp-ctl"))
+        queued.append(rapidfire_ray.experiment_ctl("clone", "c1", {"optimizer.params.lr": 2e-2}, warm=False,
+                                                   experiment="exp-ctl"))
+
+    thread = threading.Thread(target=steer)
+    thread.start()
+    summary = rapidfire_ray.experiment(PROFILE, overrides=overrides)
+    thread.join()
+    assert [q["op"] for q in queued] == ["stop", "clone"]
+    configs = {c["id"]: c for c in summary["configs"]}
+    log = {e["op"]: e for e in summary["ctl_log"]}
+    # stopped at a boundary: it trained exactly the chunks it had done when the op was applied
+    assert log["stop"]["result"].startswith("stopped after chunk")
+    assert configs["c0"]["state"] == "stopped" and configs["c0"]["chunks_done"] == log["stop"]["after_chunk"]
+    assert configs["c3"]["values"] == {"optimizer.params.lr": 2e-2} and configs["c3"]["parent"] == "c1"
+    assert "@" in log["clone"]["who"]
+    # the cut after chunk 2 keeps max(1, n // 2) of the configs that reached it, best first
+    cut = summary["cuts"][0]
+    assert cut["after_chunk"] == 2 and len(cut["kept"]) == max(1, (len(cut["kept"]) + len(cut["stopped"])) // 2)
+    reached = [configs[c] for c in cut["kept"] + cut["stopped"]]
+    scores = {c["id"]: c["history"][1]["score"] for c in reached}
+    assert max(scores[c] for c in cut["kept"]) <= min(scores[c] for c in cut["stopped"])
+    for c in cut["kept"]:
+        assert configs[c]["state"] == "done" and configs[c]["chunks_done"] == 3
+    for c in cut["stopped"]:
+        assert configs[c]["state"] == "stopped" and configs[c]["chunks_done"] == 2
+    lines = (tmp_path / "exp-ctl" / "ctl_log.jsonl").read_text().splitlines()
+    # (in the order applied: a stop waits while its config is mid-chunk, a clone does not)
+    assert sorted(json.loads(line)["op"] for line in lines) == ["clone", "stop"]
+

@@ -1,0 +1,78 @@
+"""The chunk scheduler: same chunks in the same order for every config, fair hand-out, successive halving."""
+from __future__ import annotations
+
+import random
+
+from rapidfire_ray.experiments.scheduler import DONE, FAILED, STOPPED, ChunkScheduler
+
+
+def _drive(sched: ChunkScheduler, slots: int, score, seed: int = 0) -> list[tuple[str, int]]:
+    """Run the scheduler with `slots` slots finishing in a random order; the (config, chunk) pairs in start order."""
+    rng = random.Random(seed)
+    started, flying = [], []
+    while True:
+        sched.cut()
+        while len(flying) < slots and (pair := sched.next_pair()) is not None:
+            started.append(pair)
+            flying.append(pair)
+        if not flying:
+            assert sched.idle()
+            return started
+        cid, chunk = flying.pop(rng.randrange(len(flying)))
+        sched.finished(cid, score(cid, chunk))
+
+
+def test_every_config_trains_every_chunk_in_order():
+    for slots in (1, 2, 3, 5):
+        sched = ChunkScheduler(num_chunks=4)
+        for i in range(5):
+            sched.add(f"c{i}")
+        started = _drive(sched, slots, lambda c, k: 1.0, seed=slots)
+        for i in range(5):
+            assert [k for c, k in started if c == f"c{i}"] == [0, 1, 2, 3]
+        assert all(c.state == DONE for c in sched.configs.values())
+
+
+def test_fewest_chunks_first_keeps_configs_together():
+    sched = ChunkScheduler(num_chunks=3)
+    for i in range(4):
+        sched.add(f"c{i}")
+    started = _drive(sched, 1, lambda c, k: 1.0)
+    # one slot: every config's chunk k before anyone's chunk k+1
+    assert [k for _, k in started] == [0] * 4 + [1] * 4 + [2] * 4
+    assert [c for c, _ in started[:4]] == ["c0", "c1", "c2", "c3"]
+
+
+def test_successive_halving_keeps_the_best_one_over_eta():
+    scores = {"c0": 3.0, "c1": 1.0, "c2": 4.0, "c3": 2.0, "c4": 5.0, "c5": 0.5, "c6": 6.0, "c7": 7.0}
+    sched = ChunkScheduler(num_chunks=4, policy="successive_halving", eta=2)
+    for cid in scores:
+        sched.add(cid)
+    started = _drive(sched, 3, lambda c, k: scores[c] + 0.01 * k, seed=1)
+    assert [cut["kept"] for cut in sched.cuts] == [["c5", "c1", "c3", "c0"], ["c5", "c1"], ["c5"]]
+    assert sched.configs["c5"].state == DONE and sched.configs["c5"].chunks_done == 4
+    for cid in ("c2", "c4", "c6", "c7"):
+        assert sched.configs[cid].state == STOPPED and sched.configs[cid].chunks_done == 1
+    assert "rank" in sched.configs["c7"].reason
+    # no config started a chunk past a cut before the cut was made
+    assert sum(1 for _, k in started if k == 0) == 8 and sum(1 for _, k in started if k == 1) == 4
+
+
+def test_min_chunks_delays_the_first_cut_and_failed_configs_drop_out():
+    sched = ChunkScheduler(num_chunks=3, policy="successive_halving", eta=3, min_chunks=2)
+    for i in range(4):
+        sched.add(f"c{i}")
+    pair = sched.next_pair()
+    sched.failed(pair[0], "boom")
+    started = _drive(sched, 2, lambda c, k: float(c[1:]))
+    assert sched.configs["c0"].state == FAILED
+    assert sched.cuts == [{"after_chunk": 2, "kept": ["c1"], "stopped": ["c2", "c3"]}]
+    assert [k for c, k in started if c == "c1"] == [0, 1, 2]
+
+
+def test_nan_scores_rank_last():
+    sched = ChunkScheduler(num_chunks=2, policy="successive_halving", eta=2)
+    for cid in ("a", "b"):
+        sched.add(cid)
+    _drive(sched, 2, lambda c, k: float("nan") if c == "a" else 9.0)
+    assert sched.cuts[0]["kept"] == ["b"]
