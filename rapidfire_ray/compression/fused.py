@@ -110,44 +110,42 @@ def _run(key: tuple, fn: Callable, device: torch.device, numel: int, *args):
         return fn(*args)
 
 
-# --- the fused steps (plain torch; compiled by _run) ------------------------------------------
+# --- the steps -------------------------------------------------------------------------------
+# Kernels work on (S, m) rows with no padded copy and no masks: inductor's CPU code for masked
+# (padded) loads ran 3x slower than plain ones here. Each element's chunk scale is a broadcast
+# of the (S, n_chunks) scales; the few codes past the last whole byte are packed eagerly.
 
 
-def _prepare(flat: torch.Tensor, error: torch.Tensor | None, segments: int, m: int, padded_m: int,
-             clamp: bool) -> torch.Tensor:
-    """(segments, padded_m) float32: flat zero-padded to segments*m, plus `error`, clamped to the
-    float32 range when asked, each segment zero-padded to padded_m (the codec's chunk padding)."""
-    x = F.pad(flat.to(torch.float32), (0, segments * m - flat.numel()))
-    if error is not None:
-        x = x + error
+def _prepare(flat: torch.Tensor, error: torch.Tensor | None, total: int, clamp: bool) -> torch.Tensor:
+    """flat zero-padded to `total` elements plus `error`, clamped to the float32 range when
+    asked: a new contiguous float32 tensor (eager ops, each at memory speed)."""
+    n = flat.numel()
+    out = torch.empty(total, dtype=torch.float32, device=flat.device)
+    if error is None:
+        out[:n].copy_(flat)
+        out[n:].zero_()
+    else:
+        torch.add(flat.to(torch.float32), error[:n], out=out[:n])
+        torch.add(error[n:], 0.0, out=out[n:])  # 0 + e, as the reference computes it
     if clamp:
-        x = x.clamp(-FLOAT32_MAX, FLOAT32_MAX)
-    return F.pad(x.view(segments, m), (0, padded_m - m))
+        out.clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+    return out
 
 
-def _masked_residual(corrected: torch.Tensor, decoded: torch.Tensor, valid: int, clamp: bool) -> torch.Tensor:
-    """corrected - decoded with elements at flat index >= valid set to zero, clamped when asked
-    (the order of the reference: zero the tail, then clamp)."""
-    segments, m = decoded.shape
-    residual = corrected - decoded
-    index = torch.arange(segments * m, device=decoded.device).view(segments, m)
-    residual = torch.where(index < valid, residual, torch.zeros_like(residual))
-    if clamp:
-        residual = residual.clamp(-FLOAT32_MAX, FLOAT32_MAX)
-    return residual
+def _per_element(scales: torch.Tensor, m: int, chunk_size: int) -> torch.Tensor:
+    """(S, n_chunks) -> (S, m): each element's chunk scale, as a broadcast view."""
+    segments, n_chunks = scales.shape
+    return scales[:, :, None].expand(segments, n_chunks, chunk_size).reshape(segments, n_chunks * chunk_size)[:, :m]
 
 
-def _pack(codes: torch.Tensor, bits: int, m: int) -> torch.Tensor:
-    """(S, L) uint8 codes (L a multiple of 8 // bits) -> (S, ceil(m * bits / 8)) bytes, LSB-first,
-    codes at positions >= m zeroed."""
-    segments, length = codes.shape
+def _pack_whole(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(S, L) uint8 codes, L a multiple of 8 // bits -> (S, L * bits // 8) bytes, LSB-first."""
     per_byte = 8 // bits
-    index = torch.arange(length, device=codes.device)
-    codes = torch.where(index < m, codes, torch.zeros_like(codes)).view(segments, length // per_byte, per_byte)
-    packed = codes[:, :, 0]
+    columns = codes.view(codes.shape[0], -1, per_byte)
+    packed = columns[:, :, 0]
     for position in range(1, per_byte):
-        packed = packed | (codes[:, :, position] << (position * bits))
-    return packed[:, : -(-m * bits // 8)]
+        packed = packed | (columns[:, :, position] << (position * bits))
+    return packed
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -156,22 +154,19 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((packed[:, :, None] >> shifts) & ((1 << bits) - 1)).view(packed.shape[0], -1)
 
 
-def _per_element(scales: torch.Tensor, m: int, chunk_size: int) -> torch.Tensor:
-    """(S, n_chunks) -> (S, m): each element's chunk scale (an indexed load once compiled)."""
-    return scales[:, torch.arange(m, device=scales.device) // chunk_size]
-
-
 def _onebit_kernel(chunk_size: int, residual: bool, clamp: bool) -> Callable:
-    def kernel(padded, scales, scale_bytes, m: int, valid: int):
-        segments, padded_m = padded.shape
-        positive = padded >= 0
+    def kernel(corrected, scales, whole: int):
+        m = corrected.shape[1]
+        positive = corrected >= 0
         s = _per_element(scales, m, chunk_size)
-        decoded = torch.where(positive[:, :m], s, -s)
-        packed = _pack(positive.to(torch.uint8), 1, m)
-        payload = torch.cat([scale_bytes, packed], dim=1)
-        if not residual:
-            return payload, decoded, None
-        return payload, decoded, _masked_residual(padded[:, :m], decoded, valid, clamp)
+        decoded = torch.where(positive, s, -s)
+        packed = _pack_whole(positive[:, :whole].to(torch.uint8), 1)
+        res = None
+        if residual:
+            res = corrected - decoded
+            if clamp:
+                res = res.clamp(-FLOAT32_MAX, FLOAT32_MAX)
+        return packed, decoded, res
     return kernel
 
 
@@ -192,16 +187,24 @@ def _twobit_levels(codes, scales, m: int, chunk_size: int):
     return torch.where(codes >= 2, magnitude, -magnitude)
 
 
+def _twobit_codes(corrected, dense, scales, chunk_size: int):
+    m = corrected.shape[1]
+    outer = dense > _per_element(THRESHOLD * scales, m, chunk_size)
+    return ((corrected >= 0).to(torch.uint8) << 1) | outer.to(torch.uint8)
+
+
 def _twobit_kernel(chunk_size: int, residual: bool, clamp: bool) -> Callable:
-    def kernel(padded, dense, scales, head_bytes, m: int, valid: int):
-        segments, padded_m = padded.shape
-        outer = dense.view(segments, -1, chunk_size) > (THRESHOLD * scales)[:, :, None]
-        codes = ((padded >= 0).to(torch.uint8) << 1) | outer.view(segments, padded_m).to(torch.uint8)
-        payload = torch.cat([head_bytes, _pack(codes, 2, m)], dim=1)
+    def kernel(corrected, dense, scales, whole: int):
+        m = corrected.shape[1]
+        codes = _twobit_codes(corrected, dense, scales, chunk_size)
+        packed = _pack_whole(codes[:, :whole], 2)
         decoded = _twobit_levels(codes, scales, m, chunk_size)  # sparse values: put by the caller
-        if not residual:
-            return payload, decoded, None
-        return payload, decoded, _masked_residual(padded[:, :m], decoded, valid, clamp)
+        res = None
+        if residual:
+            res = corrected - decoded
+            if clamp:
+                res = res.clamp(-FLOAT32_MAX, FLOAT32_MAX)
+        return packed, decoded, res
     return kernel
 
 
@@ -212,35 +215,58 @@ def _twobit_decode_kernel(chunk_size: int) -> Callable:
 
 
 def _fp16_kernel(residual: bool, clamp: bool) -> Callable:
-    def kernel(padded, m: int, valid: int):
-        x = padded[:, :m]
+    def kernel(corrected):
         # Clamping after the cast equals clamping before it for finite input (fp16.py).
-        half = x.to(torch.float16).clamp(-FP16_MAX, FP16_MAX)
+        half = corrected.to(torch.float16).clamp(-FP16_MAX, FP16_MAX)
         decoded = half.to(torch.float32)
-        if not residual:
-            return half, decoded, None
-        return half, decoded, _masked_residual(x, decoded, valid, clamp)
+        res = None
+        if residual:
+            res = corrected - decoded
+            if clamp:
+                res = res.clamp(-FLOAT32_MAX, FLOAT32_MAX)
+        return half, decoded, res
     return kernel
 
 
 # --- per codec: encode (+ decode, + residual) of S segments -----------------------------------
 
 
-def _scales(codec: Codec, padded: torch.Tensor, m: int, scale_fn, name: str | None) -> torch.Tensor:
-    """(S, n_chunks) scales by the reference's function on the same rows (see the docstring)."""
-    segments, padded_m = padded.shape
+def _scales(codec: Codec, rows: torch.Tensor, counts: torch.Tensor, scale_fn, name: str | None) -> torch.Tensor:
+    """(S, n_chunks) scales of (S, m) `rows` by the reference's function on the same chunk rows
+    as `codec.encode` reduces (see the module docstring for why this is bit-identical)."""
+    segments, m = rows.shape
     cs = codec.chunk_size
-    counts = chunk_counts(m, cs, padded.device)
-    if padded.device.type == "cpu":
-        rows = padded.view(segments * (padded_m // cs), cs)
-        return scale_fn(rows, counts.repeat(segments), padded, name, codec.name).view(segments, -1)
-    return torch.stack([scale_fn(padded[j].view(-1, cs), counts, padded[j], name, codec.name)
-                        for j in range(segments)])
+    whole = m // cs
+    out = []
+    for j in range(segments):
+        row = rows[j]
+        if row.device.type != "cpu" or whole == 0:
+            # CUDA: its reduction layout depends on the row count, so reduce the padded rows at
+            # once as the reference does (one copy of the segment).
+            padded = F.pad(row, (0, num_chunks(m, cs) * cs - m)).view(-1, cs)
+            out.append(scale_fn(padded, counts[j], row, name, codec.name))
+            continue
+        # CPU: ATen reduces each row alone, so the whole chunks need no padded copy.
+        parts = [scale_fn(row[:whole * cs].view(whole, cs), counts[j, :whole], row, name, codec.name)]
+        if whole * cs < m:
+            tail = F.pad(row[whole * cs:], (0, (whole + 1) * cs - m)).view(1, cs)
+            parts.append(scale_fn(tail, counts[j, whole:], row, name, codec.name))
+        out.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+    return torch.stack(out)
 
 
 def _float_bytes(t: torch.Tensor) -> torch.Tensor:
     """(S, k) float32/int32 -> (S, 4k) uint8, the same bytes."""
     return t.contiguous().view(torch.uint8).view(t.shape[0], -1)
+
+
+def _tail_bytes(codes: torch.Tensor, bits: int, whole: int) -> torch.Tensor | None:
+    """The last, partly filled byte of each row's packed codes (None when there is none)."""
+    if whole == codes.shape[1]:
+        return None
+    tail = F.pad(codes[:, whole:], (0, 8 // bits - (codes.shape[1] - whole)))
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return torch.sum(tail << shifts, dim=1, dtype=torch.uint8, keepdim=True)
 
 
 def encode_segments(codec: Codec, flat: torch.Tensor, segments: int, m: int, *, error: torch.Tensor | None = None,
@@ -257,62 +283,67 @@ def encode_segments(codec: Codec, flat: torch.Tensor, segments: int, m: int, *, 
     theirs anyway). Raises NonFiniteGradient like the codec does."""
     kind = type(codec).name
     device = flat.device
-    valid = segments * m if valid is None else valid
+    total = segments * m
+    valid = total if valid is None else valid
+    corrected = _prepare(flat, error, total, clamp).view(segments, m)
     if kind == "none":
-        decoded = _prepare(flat, error, segments, m, m, clamp)
-        return _float_bytes(decoded), decoded, None
+        return _float_bytes(corrected), corrected, None
+    residual = residual and not codec.lossless
     if kind == "fp16":
-        corrected = _run(("prepare", segments * m != flat.numel(), error is not None, clamp), _prepare, device,
-                         segments * m, flat, error, segments, m, m, clamp)
         if not finite and not bool(torch.isfinite(corrected.sum())):
             if not bool(torch.isfinite(corrected).all()):
                 raise NonFiniteGradient(name, kind)
-        half, decoded, res = _run(("fp16", residual, clamp), _fp16_kernel(residual, clamp), device,
-                                  segments * m, corrected, m, valid)
-        return half.view(torch.uint8), decoded, res
-
-    cs = codec.chunk_size
-    n_chunks = num_chunks(m, cs)
-    padded_m = n_chunks * cs
-    padded = _run(("prepare", True, error is not None, clamp), _prepare, device, segments * m,
-                  flat, error, segments, m, padded_m, clamp)
-    if kind == "1bit":
-        scales = _scales(codec, padded, m, SCALES[codec.scale], name)
-        return _run(("1bit", cs, residual, clamp), _onebit_kernel(cs, residual, clamp), device, segments * m,
-                    padded, scales, _float_bytes(scales), m, valid)
-
-    # 2bit: the sparse part by the reference's own selection, then the dense part fused.
-    if m > MAX_NUMEL:
-        raise ValueError(f"2bit codec: {name or 'tensor'} has {m} elements; int32 indices reach {MAX_NUMEL}")
-    k = codec.sparse_count(m)
-    dense = padded.abs()
-    counts = chunk_counts(m, cs, device).repeat(segments, 1)
-    indices, values = [], []
-    for j in range(segments):
-        idx = top_magnitude_indices(dense[j, :m], k)
-        indices.append(idx)
-        values.append(padded[j, idx])
-        if k:
-            dense[j].index_fill_(0, idx, 0.0)
-            counts[j] -= torch.bincount(idx // cs, minlength=n_chunks).to(counts.dtype)
-    if k:
-        values_t = torch.stack(values)
-        if not bool(torch.isfinite(values_t).all()):
-            raise NonFiniteGradient(name, kind)
-    if device.type == "cpu":
-        scales = chunk_mean_abs(dense.view(-1, cs), counts.view(-1), padded, name, kind).view(segments, -1)
+        half, decoded, res = _run(("fp16", residual, clamp), _fp16_kernel(residual, clamp), device, total, corrected)
+        payload = half.view(torch.uint8)
     else:
-        scales = torch.stack([chunk_mean_abs(dense[j].view(-1, cs), counts[j], padded[j], name, kind)
-                              for j in range(segments)])
-    head = [_float_bytes(scales)]
-    if k:
-        head += [_float_bytes(torch.stack(indices).to(torch.int32)), _float_bytes(values_t)]
-    payload, decoded, res = _run(("2bit", cs, residual, clamp), _twobit_kernel(cs, residual, clamp), device,
-                                 segments * m, padded, dense, scales, torch.cat(head, dim=1), m, valid)
-    if k:
-        decoded.scatter_(1, torch.stack(indices), values_t)
-        if res is not None:  # corrected - value == +0 exactly where the value was sent as it is
-            res.scatter_(1, torch.stack(indices), 0.0)
+        cs = codec.chunk_size
+        n_chunks = num_chunks(m, cs)
+        counts = chunk_counts(m, cs, device).repeat(segments, 1)
+        if kind == "1bit":
+            scales = _scales(codec, corrected, counts, SCALES[codec.scale], name)
+            whole = m // 8 * 8
+            packed, decoded, res = _run(("1bit", cs, residual, clamp), _onebit_kernel(cs, residual, clamp), device,
+                                        total, corrected, scales, whole)
+            parts = [_float_bytes(scales), packed]
+            tail = _tail_bytes((corrected[:, whole:] >= 0).to(torch.uint8), 1, 0) if whole < m else None
+        else:
+            # 2bit: the sparse part by the reference's own selection, then the dense part fused.
+            if m > MAX_NUMEL:
+                raise ValueError(f"2bit codec: {name or 'tensor'} has {m} elements; int32 indices reach {MAX_NUMEL}")
+            k = codec.sparse_count(m)
+            dense = corrected.abs()
+            indices = []
+            for j in range(segments):
+                idx = top_magnitude_indices(dense[j], k)
+                indices.append(idx)
+                if k:
+                    counts[j] -= torch.bincount(idx // cs, minlength=n_chunks).to(counts.dtype)
+            parts_head = []
+            if k:
+                index = torch.stack(indices)
+                values = torch.gather(corrected, 1, index)
+                if not bool(torch.isfinite(values).all()):
+                    raise NonFiniteGradient(name, kind)
+                dense.scatter_(1, index, 0.0)
+                parts_head = [_float_bytes(index.to(torch.int32)), _float_bytes(values)]
+            scales = _scales(codec, dense, counts, chunk_mean_abs, name)
+            whole = m // 4 * 4
+            packed, decoded, res = _run(("2bit", cs, residual, clamp), _twobit_kernel(cs, residual, clamp), device,
+                                        total, corrected, dense, scales, whole)
+            parts = [_float_bytes(scales)] + parts_head + [packed]
+            tail = None
+            if whole < m:
+                tail = _tail_bytes(_twobit_codes(corrected[:, whole:], dense[:, whole:],
+                                                 scales[:, -1:], cs), 2, 0)
+            if k:
+                decoded.scatter_(1, index, values)
+                if res is not None:  # corrected - value == +0 exactly where the value was sent as it is
+                    res.scatter_(1, index, 0.0)
+        if tail is not None:
+            parts.append(tail)
+        payload = torch.cat(parts, dim=1)
+    if res is not None and valid < total:
+        res.view(-1)[valid:] = 0
     return payload, decoded, res
 
 
