@@ -96,18 +96,20 @@ def _run(key: tuple, fn: Callable, device: torch.device, numel: int, *args):
     if compiled is None:
         # emulate_precision_casts: fp16 rounding must happen where the reference rounds, not
         # be skipped because inductor computes half values in float32.
-        compiled = _compiled[full_key] = torch.compile(fn, dynamic=True, fullgraph=True,
+        compiled = _compiled[full_key] = torch.compile(fn, dynamic=None, fullgraph=True,
                                                        options={"emulate_precision_casts": True})
-    if mode == "always":
-        return compiled(*args)
-    try:
-        return compiled(*args)
-    except Exception as e:  # no compiler, unsupported backend, ...: the same function, eagerly
-        _failed[device.type] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        warnings.warn(f"rapidfire_ray codecs: torch.compile failed on {device.type} "
-                      f"({_failed[device.type]}); using the eager codec functions (slower, same results)",
-                      RuntimeWarning, stacklevel=3)
-        return fn(*args)
+    # Bucket sizes of 1 (segments, whole chunks) and the optional outputs each make a graph.
+    with torch._dynamo.config.patch(recompile_limit=64):
+        if mode == "always":
+            return compiled(*args)
+        try:
+            return compiled(*args)
+        except Exception as e:  # no compiler, unsupported backend, ...: the same function, eagerly
+            _failed[device.type] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(f"rapidfire_ray codecs: torch.compile failed on {device.type} "
+                          f"({_failed[device.type]}); using the eager codec functions (slower, same results)",
+                          RuntimeWarning, stacklevel=3)
+    return fn(*args)
 
 
 # --- the steps -------------------------------------------------------------------------------
@@ -116,26 +118,30 @@ def _run(key: tuple, fn: Callable, device: torch.device, numel: int, *args):
 # of the (S, n_chunks) scales; the few codes past the last whole byte are packed eagerly.
 
 
-def _prepare(flat: torch.Tensor, error: torch.Tensor | None, total: int, clamp: bool) -> torch.Tensor:
+def _prepare(flat: torch.Tensor, error: torch.Tensor | None, total: int, clamp: bool,
+             in_place: bool) -> torch.Tensor:
     """flat zero-padded to `total` elements plus `error`, clamped to the float32 range when
-    asked: a new contiguous float32 tensor (eager ops, each at memory speed)."""
+    asked (eager ops, each at memory speed). Written into `error` itself when `in_place` (one
+    fresh full-size buffer less per call: on CPU a fresh buffer costs page faults, measured 4x
+    the kernel's time); `flat` itself when there is nothing to do (it is only read then)."""
     n = flat.numel()
-    out = torch.empty(total, dtype=torch.float32, device=flat.device)
-    if error is None:
+    if error is None and not clamp and n == total and flat.dtype == torch.float32:
+        return flat
+    if error is not None and in_place:
+        out = error
+        out[:n].add_(flat)
+        out[n:].add_(0.0)  # 0 + e, as the reference computes it
+    elif error is None:
+        out = torch.empty(total, dtype=torch.float32, device=flat.device)
         out[:n].copy_(flat)
         out[n:].zero_()
     else:
+        out = torch.empty(total, dtype=torch.float32, device=flat.device)
         torch.add(flat.to(torch.float32), error[:n], out=out[:n])
-        torch.add(error[n:], 0.0, out=out[n:])  # 0 + e, as the reference computes it
+        torch.add(error[n:], 0.0, out=out[n:])
     if clamp:
         out.clamp_(-FLOAT32_MAX, FLOAT32_MAX)
     return out
-
-
-def _per_element(scales: torch.Tensor, m: int, chunk_size: int) -> torch.Tensor:
-    """(S, n_chunks) -> (S, m): each element's chunk scale, as a broadcast view."""
-    segments, n_chunks = scales.shape
-    return scales[:, :, None].expand(segments, n_chunks, chunk_size).reshape(segments, n_chunks * chunk_size)[:, :m]
 
 
 def _pack_whole(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -154,63 +160,69 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((packed[:, :, None] >> shifts) & ((1 << bits) - 1)).view(packed.shape[0], -1)
 
 
+def _residual(corrected, decoded, clamp: bool):
+    res = corrected - decoded
+    return res.clamp(-FLOAT32_MAX, FLOAT32_MAX) if clamp else res
+
+
+def _onebit_chunks(x, s):
+    """(..., cs) values, (..., 1) scales -> (signs as uint8, decoded)."""
+    positive = x >= 0
+    return positive.to(torch.uint8), torch.where(positive, s, -s)
+
+
 def _onebit_kernel(chunk_size: int, residual: bool, clamp: bool) -> Callable:
-    def kernel(corrected, scales, whole: int):
-        m = corrected.shape[1]
-        positive = corrected >= 0
-        s = _per_element(scales, m, chunk_size)
-        decoded = torch.where(positive, s, -s)
-        packed = _pack_whole(positive[:, :whole].to(torch.uint8), 1)
-        res = None
+    # Whole chunks only, as (S, w, chunk_size) views with a static inner size: inductor then
+    # vectorises along it (with a symbolic chunk index it emitted scalar loops, 10x slower).
+    # The residual overwrites x (what the reference does too: corrected.sub_(decoded)).
+    def kernel(x, scales, decoded_out, bits_out):
+        signs, decoded = _onebit_chunks(x, scales[:, :, None])
+        if decoded_out is not None:
+            decoded_out.copy_(decoded)
+        bits_out.copy_(_pack_whole(signs.view(x.shape[0], -1), 1).view(bits_out.shape))
         if residual:
-            res = corrected - decoded
-            if clamp:
-                res = res.clamp(-FLOAT32_MAX, FLOAT32_MAX)
-        return packed, decoded, res
+            x.copy_(_residual(x, decoded, clamp))
     return kernel
 
 
 def _onebit_decode_kernel(chunk_size: int) -> Callable:
-    def kernel(packed, scales, m: int):
-        positive = _unpack(packed, 1)[:, :m] != 0
-        s = _per_element(scales, m, chunk_size)
-        return torch.where(positive, s, -s)
+    def kernel(bits, scales, out):
+        positive = _unpack(bits.reshape(bits.shape[0], -1), 1).view(out.shape) != 0
+        s = scales[:, :, None]
+        out.copy_(torch.where(positive, s, -s))
     return kernel
 
 
-def _twobit_levels(codes, scales, m: int, chunk_size: int):
-    """(S, >= m) codes -> (S, m) decoded dense values."""
-    codes = codes[:, :m]
-    inner = _per_element(INNER * scales, m, chunk_size)
-    outer = _per_element((OUTER * scales).clamp(max=FLOAT32_MAX), m, chunk_size)
+def _twobit_levels(codes, scales):
+    """(..., cs) codes, (..., 1) scales -> decoded dense values."""
+    inner = INNER * scales
+    outer = (OUTER * scales).clamp(max=FLOAT32_MAX)
     magnitude = torch.where((codes & 1) != 0, outer, inner)
     return torch.where(codes >= 2, magnitude, -magnitude)
 
 
-def _twobit_codes(corrected, dense, scales, chunk_size: int):
-    m = corrected.shape[1]
-    outer = dense > _per_element(THRESHOLD * scales, m, chunk_size)
-    return ((corrected >= 0).to(torch.uint8) << 1) | outer.to(torch.uint8)
+def _twobit_codes(x, dense, scales):
+    outer = dense > THRESHOLD * scales
+    return ((x >= 0).to(torch.uint8) << 1) | outer.to(torch.uint8)
 
 
 def _twobit_kernel(chunk_size: int, residual: bool, clamp: bool) -> Callable:
-    def kernel(corrected, dense, scales, whole: int):
-        m = corrected.shape[1]
-        codes = _twobit_codes(corrected, dense, scales, chunk_size)
-        packed = _pack_whole(codes[:, :whole], 2)
-        decoded = _twobit_levels(codes, scales, m, chunk_size)  # sparse values: put by the caller
-        res = None
+    def kernel(x, dense, scales, decoded_out, bits_out):
+        s = scales[:, :, None]
+        codes = _twobit_codes(x, dense, s)
+        decoded = _twobit_levels(codes, s)  # sparse values: put by the caller
+        if decoded_out is not None:
+            decoded_out.copy_(decoded)
+        bits_out.copy_(_pack_whole(codes.view(x.shape[0], -1), 2).view(bits_out.shape))
         if residual:
-            res = corrected - decoded
-            if clamp:
-                res = res.clamp(-FLOAT32_MAX, FLOAT32_MAX)
-        return packed, decoded, res
+            x.copy_(_residual(x, decoded, clamp))
     return kernel
 
 
 def _twobit_decode_kernel(chunk_size: int) -> Callable:
-    def kernel(packed, scales, m: int):
-        return _twobit_levels(_unpack(packed, 2), scales, m, chunk_size)
+    def kernel(bits, scales, out):
+        codes = _unpack(bits.reshape(bits.shape[0], -1), 2).view(out.shape)
+        out.copy_(_twobit_levels(codes, scales[:, :, None]))
     return kernel
 
 
@@ -260,18 +272,15 @@ def _float_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).view(t.shape[0], -1)
 
 
-def _tail_bytes(codes: torch.Tensor, bits: int, whole: int) -> torch.Tensor | None:
-    """The last, partly filled byte of each row's packed codes (None when there is none)."""
-    if whole == codes.shape[1]:
-        return None
-    tail = F.pad(codes[:, whole:], (0, 8 // bits - (codes.shape[1] - whole)))
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return torch.sum(tail << shifts, dim=1, dtype=torch.uint8, keepdim=True)
+def _pack_eager(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(S, r) codes -> (S, ceil(r * bits / 8)) bytes: a partial chunk's few codes, eagerly."""
+    per_byte = 8 // bits
+    return _pack_whole(F.pad(codes, (0, -codes.shape[1] % per_byte)), bits)
 
 
 def encode_segments(codec: Codec, flat: torch.Tensor, segments: int, m: int, *, error: torch.Tensor | None = None,
                     residual: bool = False, valid: int | None = None, clamp: bool = False,
-                    finite: bool = False, name: str | None = None):
+                    finite: bool = False, decoded: bool = True, in_place: bool = False, name: str | None = None):
     """Encode `flat` (+ `error`), zero-padded to `segments * m` elements, as `segments` tensors
     of `m` elements, each as `codec.encode` would.
 
@@ -280,70 +289,106 @@ def encode_segments(codec: Codec, flat: torch.Tensor, segments: int, m: int, *, 
     zero from flat index `valid` (default: all of it) on. `clamp`: clamp the corrected input and
     the residual to the float32 range (the compressed allreduce's overflow rule). `finite`: the
     caller has checked the input for NaN/inf, so the fp16 check is skipped (1bit/2bit's scales do
-    theirs anyway). Raises NonFiniteGradient like the codec does."""
+    theirs anyway). `decoded=False`: the caller does not need the decoded values (None then).
+    `in_place`: corrected values and the residual are written into `error` (the caller's state
+    buffer). Raises NonFiniteGradient like the codec does, before writing anything."""
     kind = type(codec).name
     device = flat.device
     total = segments * m
     valid = total if valid is None else valid
-    corrected = _prepare(flat, error, total, clamp).view(segments, m)
+    want_decoded = decoded
+    residual = residual and not codec.lossless
+    if in_place and error is not None and kind != "none":
+        _raise_if_nonfinite_sum(flat, name, kind)  # before the caller's buffer changes
+    corrected = _prepare(flat, error, total, clamp, in_place).view(segments, m)
     if kind == "none":
         return _float_bytes(corrected), corrected, None
-    residual = residual and not codec.lossless
+    if residual and corrected.data_ptr() == flat.data_ptr():
+        corrected = corrected.clone()  # the caller's tensor is only read
     if kind == "fp16":
-        if not finite and not bool(torch.isfinite(corrected.sum())):
-            if not bool(torch.isfinite(corrected).all()):
-                raise NonFiniteGradient(name, kind)
+        if not finite:
+            _raise_if_nonfinite_sum(corrected, name, kind)
         half, decoded, res = _run(("fp16", residual, clamp), _fp16_kernel(residual, clamp), device, total, corrected)
         payload = half.view(torch.uint8)
     else:
-        cs = codec.chunk_size
-        n_chunks = num_chunks(m, cs)
-        counts = chunk_counts(m, cs, device).repeat(segments, 1)
-        if kind == "1bit":
-            scales = _scales(codec, corrected, counts, SCALES[codec.scale], name)
-            whole = m // 8 * 8
-            packed, decoded, res = _run(("1bit", cs, residual, clamp), _onebit_kernel(cs, residual, clamp), device,
-                                        total, corrected, scales, whole)
-            parts = [_float_bytes(scales), packed]
-            tail = _tail_bytes((corrected[:, whole:] >= 0).to(torch.uint8), 1, 0) if whole < m else None
-        else:
-            # 2bit: the sparse part by the reference's own selection, then the dense part fused.
-            if m > MAX_NUMEL:
-                raise ValueError(f"2bit codec: {name or 'tensor'} has {m} elements; int32 indices reach {MAX_NUMEL}")
-            k = codec.sparse_count(m)
-            dense = corrected.abs()
-            indices = []
-            for j in range(segments):
-                idx = top_magnitude_indices(dense[j], k)
-                indices.append(idx)
-                if k:
-                    counts[j] -= torch.bincount(idx // cs, minlength=n_chunks).to(counts.dtype)
-            parts_head = []
-            if k:
-                index = torch.stack(indices)
-                values = torch.gather(corrected, 1, index)
-                if not bool(torch.isfinite(values).all()):
-                    raise NonFiniteGradient(name, kind)
-                dense.scatter_(1, index, 0.0)
-                parts_head = [_float_bytes(index.to(torch.int32)), _float_bytes(values)]
-            scales = _scales(codec, dense, counts, chunk_mean_abs, name)
-            whole = m // 4 * 4
-            packed, decoded, res = _run(("2bit", cs, residual, clamp), _twobit_kernel(cs, residual, clamp), device,
-                                        total, corrected, dense, scales, whole)
-            parts = [_float_bytes(scales)] + parts_head + [packed]
-            tail = None
-            if whole < m:
-                tail = _tail_bytes(_twobit_codes(corrected[:, whole:], dense[:, whole:],
-                                                 scales[:, -1:], cs), 2, 0)
-            if k:
-                decoded.scatter_(1, index, values)
-                if res is not None:  # corrected - value == +0 exactly where the value was sent as it is
-                    res.scatter_(1, index, 0.0)
-        if tail is not None:
-            parts.append(tail)
-        payload = torch.cat(parts, dim=1)
+        payload, decoded, res = _encode_chunked(codec, kind, corrected, residual, clamp, want_decoded, name)
     if res is not None and valid < total:
         res.view(-1)[valid:] = 0
+    return payload, decoded, res
+
+
+def _raise_if_nonfinite_sum(t: torch.Tensor, name: str | None, kind: str) -> None:
+    # A sum is finite unless a term is not (or finite terms overflow: then look at each).
+    if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+        raise NonFiniteGradient(name, kind)
+
+
+def _encode_chunked(codec: Codec, kind: str, corrected: torch.Tensor, residual: bool, clamp: bool,
+                    want_decoded: bool, name: str | None):
+    """1bit/2bit on (S, m) corrected rows: (payload, decoded or None, residual or None); the
+    residual overwrites `corrected`."""
+    segments, m = corrected.shape
+    device = corrected.device
+    cs = codec.chunk_size
+    n_chunks = num_chunks(m, cs)
+    whole, bits = m // cs, (1 if kind == "1bit" else 2)
+    split = whole * cs  # elements in whole chunks; the rest is one partial chunk per row
+    counts = chunk_counts(m, cs, device).repeat(segments, 1)
+    payload = torch.empty(segments, codec.wire_bytes(m), dtype=torch.uint8, device=device)
+    decoded = torch.empty(segments, m, dtype=torch.float32, device=device) if want_decoded else None
+    res = corrected if residual else None
+    k = 0
+    if kind == "1bit":
+        scales = _scales(codec, corrected, counts, SCALES[codec.scale], name)
+        inputs = (corrected,)
+    else:
+        # 2bit: the sparse part by the reference's own selection, then the dense part fused.
+        if m > MAX_NUMEL:
+            raise ValueError(f"2bit codec: {name or 'tensor'} has {m} elements; int32 indices reach {MAX_NUMEL}")
+        k = codec.sparse_count(m)
+        dense = corrected.abs()
+        if k:
+            index = torch.stack([top_magnitude_indices(dense[j], k) for j in range(segments)])
+            values = torch.gather(corrected, 1, index)
+            if not bool(torch.isfinite(values).all()):
+                raise NonFiniteGradient(name, kind)
+            for j in range(segments):
+                counts[j] -= torch.bincount(index[j] // cs, minlength=n_chunks).to(counts.dtype)
+            dense.scatter_(1, index, 0.0)
+        scales = _scales(codec, dense, counts, chunk_mean_abs, name)
+        inputs = (corrected, dense)
+    at = 4 * n_chunks
+    payload[:, :at] = _float_bytes(scales)
+    if k:
+        payload[:, at:at + 4 * k] = _float_bytes(index.to(torch.int32))
+        payload[:, at + 4 * k:at + 8 * k] = _float_bytes(values)
+        at += 8 * k
+    split_bytes = split * bits // 8
+    if whole:
+        views = [t[:, :split].view(segments, whole, cs) for t in inputs]
+        out = [None if decoded is None else decoded[:, :split].view(segments, whole, cs),
+               payload[:, at:at + split_bytes].view(segments, whole, cs * bits // 8)]
+        kernel = _onebit_kernel if kind == "1bit" else _twobit_kernel
+        _run((kind, cs, residual, clamp), kernel(cs, residual, clamp), device, segments * m,
+             *views, scales[:, :whole], *out)
+    if split < m:
+        s = scales[:, whole:whole + 1]
+        x = corrected[:, split:]
+        if kind == "1bit":
+            codes, tail = _onebit_chunks(x, s)
+        else:
+            codes = _twobit_codes(x, dense[:, split:], s)
+            tail = _twobit_levels(codes, s)
+        payload[:, at + split_bytes:] = _pack_eager(codes, bits)
+        if decoded is not None:
+            decoded[:, split:] = tail
+        if res is not None:
+            res[:, split:] = _residual(x, tail, clamp)
+    if k:
+        if decoded is not None:
+            decoded.scatter_(1, index, values)
+        if res is not None:  # corrected - value == +0 exactly where the value was sent as it is
+            res.scatter_(1, index, 0.0)
     return payload, decoded, res
 
 
@@ -358,20 +403,29 @@ def decode_segments(codec: Codec, payload: torch.Tensor, m: int) -> torch.Tensor
         return half.to(torch.float32)
     cs = codec.chunk_size
     n_chunks = num_chunks(m, cs)
+    whole, bits = m // cs, (1 if kind == "1bit" else 2)
+    split = whole * cs
     at = 4 * n_chunks
     scales = torch.stack([view_as_dtype(payload[j, :at], torch.float32) for j in range(segments)])
-    if kind == "1bit":
-        return _run(("1bit-decode", cs), _onebit_decode_kernel(cs), payload.device, segments * m,
-                    payload[:, at:], scales, m)
-    k = codec.sparse_count(m)
-    decoded = _run(("2bit-decode", cs), _twobit_decode_kernel(cs), payload.device, segments * m,
-                   payload[:, at + 8 * k:], scales, m)
+    k = codec.sparse_count(m) if kind == "2bit" else 0
+    out = torch.empty(segments, m, dtype=torch.float32, device=payload.device)
+    start = at + 8 * k
+    split_bytes = split * bits // 8
+    if whole:
+        kernel = _onebit_decode_kernel if kind == "1bit" else _twobit_decode_kernel
+        _run((kind + "-decode", cs), kernel(cs), payload.device, segments * m,
+             payload[:, start:start + split_bytes].view(segments, whole, cs * bits // 8), scales[:, :whole],
+             out[:, :split].view(segments, whole, cs))
+    if split < m:
+        codes = _unpack(payload[:, start + split_bytes:], bits)[:, :m - split]
+        s = scales[:, whole:whole + 1]
+        out[:, split:] = torch.where(codes != 0, s, -s) if kind == "1bit" else _twobit_levels(codes, s)
     if k:
         indices = torch.stack([view_as_dtype(payload[j, at:at + 4 * k], torch.int32) for j in range(segments)])
         values = torch.stack([view_as_dtype(payload[j, at + 4 * k:at + 8 * k], torch.float32)
                               for j in range(segments)])
-        decoded.scatter_(1, indices.long(), values)
-    return decoded
+        out.scatter_(1, indices.long(), values)
+    return out
 
 
 def roundtrip(codec: Codec, flat: torch.Tensor, name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
