@@ -8,9 +8,8 @@ methods stay the reference; `RAPIDFIRE_CODEC_PATH=reference` makes the training 
 
 How each step stays bit-identical while getting faster:
 - per-chunk scales (and the NaN/inf check they double as) are computed by the reference's own
-  functions on the same padded (chunks, chunk_size) rows, so the summation order is the same;
-  on CPU all segments' rows go in one call (ATen reduces each row alone), on CUDA one call per
-  segment (its reduction layout depends on the row count below 16 rows);
+  functions on the same padded (chunks, chunk_size) tensor per segment, so the summation order
+  is the same (ATen's reduction layout depends on the row count);
 - everything else (padding, error feedback add, signs/levels, bit packing, payload assembly,
   decode, residual) is elementwise or integer arithmetic, which any backend computes exactly;
   it is written as one function per step that `torch.compile` fuses (inductor: C++ on CPU,
@@ -248,22 +247,16 @@ def _scales(codec: Codec, rows: torch.Tensor, counts: torch.Tensor, scale_fn, na
     as `codec.encode` reduces (see the module docstring for why this is bit-identical)."""
     segments, m = rows.shape
     cs = codec.chunk_size
-    whole = m // cs
+    padded_m = num_chunks(m, cs) * cs
     out = []
     for j in range(segments):
         row = rows[j]
-        if row.device.type != "cpu" or whole == 0:
-            # CUDA: its reduction layout depends on the row count, so reduce the padded rows at
-            # once as the reference does (one copy of the segment).
-            padded = F.pad(row, (0, num_chunks(m, cs) * cs - m)).view(-1, cs)
-            out.append(scale_fn(padded, counts[j], row, name, codec.name))
-            continue
-        # CPU: ATen reduces each row alone, so the whole chunks need no padded copy.
-        parts = [scale_fn(row[:whole * cs].view(whole, cs), counts[j, :whole], row, name, codec.name)]
-        if whole * cs < m:
-            tail = F.pad(row[whole * cs:], (0, (whole + 1) * cs - m)).view(1, cs)
-            parts.append(scale_fn(tail, counts[j, whole:], row, name, codec.name))
-        out.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+        # The same (n_chunks, chunk_size) tensor the reference reduces: ATen's reductions (CPU
+        # and CUDA) pick their accumulation layout from the row count (seen on CPU at
+        # chunk_size 64), so a view of the whole chunks alone could round differently. A
+        # padded copy only where the segment does not end on a chunk boundary.
+        padded = row if padded_m == m else F.pad(row, (0, padded_m - m))
+        out.append(scale_fn(padded.view(-1, cs), counts[j], row, name, codec.name))
     return torch.stack(out)
 
 
