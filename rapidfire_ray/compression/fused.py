@@ -45,6 +45,9 @@ COMPILE_MODES = ("auto", "off", "always")
 #: bench/codecs.py (below ~1M elements the eager functions are within a few percent and a
 #: compile costs seconds); CUDA: eager launches ~20 small kernels per call, so compile sooner.
 DEFAULT_MIN_NUMEL = {"cpu": 1 << 20, "cuda": 1 << 16}
+#: Kernels left eager on CPU under "auto": inductor's C++ for the 2-bit codes (uint8 levels,
+#: 4 codes a byte) measured 1.5x slower than the eager functions here (bench/codecs.py).
+EAGER_ON_CPU = frozenset({"2bit", "2bit-decode"})
 
 
 def _env_choice(env: str, choices: tuple[str, ...], default: str) -> str:
@@ -88,7 +91,8 @@ def _min_numel(device: torch.device) -> int:
 def _run(key: tuple, fn: Callable, device: torch.device, numel: int, *args):
     """`fn(*args)`, compiled when that pays (see the module docstring), else eagerly."""
     mode = _env_choice(COMPILE_ENV, COMPILE_MODES, "auto")
-    if mode == "off" or (mode == "auto" and (numel < _min_numel(device) or device.type in _failed)):
+    if mode == "off" or (mode == "auto" and (numel < _min_numel(device) or device.type in _failed
+                                             or (device.type == "cpu" and key[0] in EAGER_ON_CPU))):
         return fn(*args)
     full_key = key + (device.type,)
     compiled = _compiled.get(full_key)
@@ -295,6 +299,8 @@ def encode_segments(codec: Codec, flat: torch.Tensor, segments: int, m: int, *, 
         _raise_if_nonfinite_sum(flat, name, kind)  # before the caller's buffer changes
     corrected = _prepare(flat, error, total, clamp, in_place).view(segments, m)
     if kind == "none":
+        if corrected.data_ptr() == flat.data_ptr():
+            corrected = corrected.clone()  # the payload never aliases the caller's tensor
         return _float_bytes(corrected), corrected, None
     if residual and corrected.data_ptr() == flat.data_ptr():
         corrected = corrected.clone()  # the caller's tensor is only read
