@@ -13,9 +13,16 @@ least disturbed). One torch thread by default, so the figures are per core: on a
 oversubscribed machine several threads slow each other down unpredictably. Also reports bytes
 on the wire, the ratio to float32, and the relative error
 ||decode(encode(g)) - g|| / ||g|| of one pass.
-Prints a table and writes bench/results/codecs.json. A benchmark, not a test.
+Then, side by side in the same run, the flat-bucket codecs (the training path: the gradients
+packed into DDP-sized buckets, `--bucket-mb`, one call per bucket): the reference path against
+the fused path (compression/fused.py) against a same-size copy (`clone` of each bucket), for
+each codec without error feedback (encode + decode) and with it (`compressed_allreduce` at world
+size 1: error add, encode, decode, residual), GB/s of float32 input and the ratio to the copy.
+Compile time is excluded (one warm-up call per bucket size; it is reported separately).
+Prints the tables and writes bench/results/codecs.json. A benchmark, not a test.
 
-    python bench/codecs.py [--size MB] [--repeats 5] [--threads 1] [--out bench/results/codecs.json]
+    python bench/codecs.py [--size MB] [--repeats 5] [--threads 1] [--bucket-mb 25] [--device cpu]
+                           [--buckets-only] [--out bench/results/codecs.json]
 """
 from __future__ import annotations
 
@@ -28,7 +35,8 @@ import time
 
 import torch
 
-from rapidfire_ray.compression import ErrorFeedback, get_codec
+from rapidfire_ray.compression import ErrorFeedback, fused, get_codec
+from rapidfire_ray.exchange.allreduce import AllreduceState, compressed_allreduce
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,14 +64,103 @@ def make_gradients(size_mb: float) -> dict[str, torch.Tensor]:
     return {name: torch.randn(max(1, round(n * factor)), generator=g) * 1e-3 for name, n in sizes.items()}
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def best_time(fn, repeats: int) -> float:
-    fn()  # warm-up: allocator, first-call dispatch
+    fn()  # warm-up: allocator, first-call dispatch, compiling
+    _sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def make_buckets(grads: dict[str, torch.Tensor], bucket_mb: float, device: str) -> list[torch.Tensor]:
+    """The gradients flattened into buckets of about `bucket_mb` MB in reverse parameter order,
+    as DDP fills them (a tensor larger than a bucket gets one of its own)."""
+    buckets, current, size = [], [], 0
+    for g in reversed(list(grads.values())):
+        current.append(g)
+        size += 4 * g.numel()
+        if size >= bucket_mb * 1e6:
+            buckets.append(torch.cat(current))
+            current, size = [], 0
+    if current:
+        buckets.append(torch.cat(current))
+    return [b.to(device) for b in buckets]
+
+
+BUCKET_CODECS = [("none", {}), ("fp16", {}), ("1bit", {}), ("1bit", {"scale": "rms"}), ("2bit", {})]
+
+
+def bench_buckets(buckets: list[torch.Tensor], repeats: int) -> dict:
+    """Reference vs fused vs copy on flat buckets, in one run (see the module docstring)."""
+    fp32_bytes = 4 * sum(b.numel() for b in buckets)
+    copies = []
+    rows = []
+    for name, opts in BUCKET_CODECS:
+        # The copy is timed again before each codec and the best kept: on a shared machine one
+        # early measurement alone can land in a busy moment.
+        copies.append(best_time(lambda: [b.clone() for b in buckets], repeats))
+        codec = get_codec(name, **opts)
+        row = {"codec": name, "options": opts}
+        start = time.perf_counter()
+        for b in buckets:  # compiles (once per kernel and size pattern) outside the timings
+            fused.roundtrip(codec, b)
+            compressed_allreduce(b, codec, AllreduceState(), fused=True)
+        _sync()
+        row["fused_warmup_s"] = time.perf_counter() - start
+        row["reference_s"] = best_time(lambda: [codec.decode(codec.encode(b)) for b in buckets], repeats)
+        row["fused_s"] = best_time(lambda: [fused.roundtrip(codec, b) for b in buckets], repeats)
+        ref_states = [AllreduceState() for _ in buckets]
+        fused_states = [AllreduceState() for _ in buckets]
+        row["reference_ef_s"] = best_time(lambda: [compressed_allreduce(b, codec, st, fused=False)
+                                                   for b, st in zip(buckets, ref_states)], repeats)
+        row["fused_ef_s"] = best_time(lambda: [compressed_allreduce(b, codec, st, fused=True)
+                                               for b, st in zip(buckets, fused_states)], repeats)
+        rows.append(row)
+    copy_s = min(copies)
+    for row in rows:
+        for key in ("reference", "fused", "reference_ef", "fused_ef"):
+            row[f"{key}_gbps"] = fp32_bytes / 1e9 / row[f"{key}_s"]
+            row[f"{key}_vs_copy"] = copy_s / row[f"{key}_s"]
+        row["fused_speedup"] = row["reference_s"] / row["fused_s"]
+        row["fused_ef_speedup"] = row["reference_ef_s"] / row["fused_ef_s"]
+    return {"buckets": len(buckets), "bucket_elements": [b.numel() for b in buckets], "fp32_bytes": fp32_bytes,
+            "copy_s": copy_s, "copy_gbps": fp32_bytes / 1e9 / copy_s, "copy_s_each": copies,
+            "compile": {"mode": os.environ.get(fused.COMPILE_ENV, "auto"), "failures": fused.compile_failures()},
+            "results": rows}
+
+
+def print_buckets(section: dict) -> None:
+    print(f"[bench] flat buckets: {section['buckets']} buckets, {section['fp32_bytes'] / 1e6:.1f} MB; "
+          f"copy (clone) {section['copy_gbps']:.2f} GB/s")
+    header = (f"{'codec':<18}{'ref GB/s':>9}{'fused':>9}{'x copy':>8}{'ref+EF':>8}{'fused+EF':>9}{'x copy':>8}"
+              f"{'speedup':>8}{'EF spd':>8}{'warm-up s':>10}")
+    print(header)
+    print("-" * len(header))
+    for row in section["results"]:
+        label = row["codec"] + "".join(f" {k}={v}" for k, v in row["options"].items())
+        print(f"{label:<18}{row['reference_gbps']:>9.2f}{row['fused_gbps']:>9.2f}{row['fused_vs_copy']:>8.2f}"
+              f"{row['reference_ef_gbps']:>8.2f}{row['fused_ef_gbps']:>9.2f}{row['fused_ef_vs_copy']:>8.2f}"
+              f"{row['fused_speedup']:>8.1f}{row['fused_ef_speedup']:>8.1f}{row['fused_warmup_s']:>10.1f}")
+
+
+def measure(device: str = "cpu", scale: float = 1.0, repeats: int = 3, bucket_mb: float = 25.0) -> dict:
+    """The flat-bucket section alone on `device` (bench/gpu.py calls this); `scale` 1.0 is the
+    whole 538 MB gradient set."""
+    sizes = smollm2_135m_gradient_sizes()
+    grads = make_gradients(scale * 4 * sum(sizes.values()) / 1e6)
+    section = bench_buckets(make_buckets(grads, bucket_mb, device), repeats)
+    section["device"] = str(device) if device == "cpu" else torch.cuda.get_device_name()
+    print_buckets(section)
+    return section
 
 
 def bench_codec(name: str, opts: dict, grads: dict[str, torch.Tensor], repeats: int) -> dict:
@@ -126,6 +223,9 @@ def main() -> None:
     p.add_argument("--size", type=float, default=64.0, help="float32 MB of gradients (538 = the whole model)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: GB/s per core)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="flat bucket size (DDP's default: 25)")
+    p.add_argument("--device", default="cpu", help="device of the flat-bucket section")
+    p.add_argument("--buckets-only", action="store_true", help="only the flat-bucket section")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "codecs.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -135,6 +235,13 @@ def main() -> None:
     fp32_bytes = 4 * numel
     print(f"[bench] {len(grads)} gradient tensors, {numel:,} elements, {fp32_bytes / 1e6:.1f} MB float32; "
           f"{args.threads} threads, best of {args.repeats}", flush=True)
+
+    print("[bench] flat buckets: reference vs fused vs copy", flush=True)
+    buckets = bench_buckets(make_buckets(grads, args.bucket_mb, args.device), args.repeats)
+    print_buckets(buckets)
+    if args.buckets_only:
+        _write(args, grads, numel, fp32_bytes, [], buckets)
+        return
 
     cast_s = best_time(lambda: [g.half().float() for g in grads.values()], args.repeats)
     rows = [{"codec": "fp16_compress_hook cast", "options": {}, "wire_bytes": fp32_bytes // 2, "encode_s": None,
@@ -169,13 +276,27 @@ def main() -> None:
               f"{cell(row['encode_decode_gbps'], '.2f'):>9}{cell(row['with_error_feedback_gbps'], '.2f'):>8}"
               f"{cell(row['relative_error'], '.4f'):>9}")
 
-    result = {"benchmark": "codecs", "date": time.strftime("%Y-%m-%d"),
+    _write(args, grads, numel, fp32_bytes, rows, buckets)
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _write(args, grads, numel, fp32_bytes, rows, buckets) -> None:
+    result = {"benchmark": "codecs", "date": time.strftime("%Y-%m-%d"), "commit": _commit(),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
                           "torch": torch.__version__},
               "settings": vars(args),
               "input": {"model": "smollm2-135m", "tensors": len(grads), "elements": numel, "fp32_bytes": fp32_bytes},
               "note": "GB/s = float32 input bytes / wall time, best of repeats; fp16 cast = t.half().float()",
-              "results": rows}
+              "results": rows, "flat_buckets": buckets}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     tmp = f"{args.out}.tmp"
     with open(tmp, "w") as f:

@@ -7,6 +7,9 @@ the results. 2 * (n-1) * codec.wire_bytes(m) bytes sent per rank and call. Non-f
 raises NonFiniteGradient before any communication. World size 1: phase 1 alone.
 
 Layout, padding, the error-feedback identity and overflow handling: docs/exchange.md.
+By default the codecs run on the whole bucket in a few fused kernels (compression/fused.py);
+`fused=False` or RAPIDFIRE_CODEC_PATH=reference runs the per-chunk reference path, which gives
+the same bytes, results and error buffers.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..compression import Codec, Encoded, NonFiniteGradient
+from ..compression import fused as fused_codecs
 from .stats import CommStats, fp32_allreduce_bytes
 
 #: Each rank's chunk is a multiple of this many elements.
@@ -89,7 +93,9 @@ def _finite_(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_finite(flat: torch.Tensor, codec: Codec) -> None:
-    if not bool(torch.isfinite(flat).all()):
+    # A sum is finite unless a term is not (or finite terms overflow: then look at each): one
+    # fast pass instead of isfinite's three.
+    if not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
         raise NonFiniteGradient(None, codec.name)
 
 
@@ -139,7 +145,7 @@ def _as_encoded(codec: Codec, payload: torch.Tensor, m: int) -> Encoded:
 
 
 def compressed_allreduce(tensor: torch.Tensor, codec: Codec, state: AllreduceState, group=None,
-                         stats: CommStats | None = None) -> torch.Tensor:
+                         stats: CommStats | None = None, fused: bool | None = None) -> torch.Tensor:
     """Average of `tensor` over the ranks of `group`, through the two-phase compressed allreduce of
     1-bit Adam with worker and server error feedback. Returns a new float32 tensor of tensor's shape
     (identical on every rank). World size 1: compress + decompress with error feedback, no collective.
@@ -157,6 +163,9 @@ def compressed_allreduce(tensor: torch.Tensor, codec: Codec, state: AllreduceSta
         return torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device)
     _check_finite(flat, codec)
     m, padded = layout(n, ws)
+    if fused if fused is not None else fused_codecs.use_fused(codec):
+        with (stats.timed(tensor.device) if stats is not None else nullcontext()):
+            return _fused_allreduce(flat, tensor.shape, codec, state, group, stats, ws, rank, m, padded)
     with (stats.timed(tensor.device) if stats is not None else nullcontext()):
         encoded, decoded, worker_error = _worker_phase(flat, codec, state, ws, m, padded)
         if ws == 1:
@@ -191,6 +200,66 @@ def compressed_allreduce(tensor: torch.Tensor, codec: Codec, state: AllreduceSta
         if stats is not None:
             stats.add_bytes(sent, got, fp32_allreduce_bytes(n, ws))
         return out.reshape(tensor.shape)
+
+
+def _server_sum(world: int):
+    def server_sum(rows: torch.Tensor) -> torch.Tensor:
+        # In rank order, one add at a time, then one division: the reference's rounding.
+        avg = rows[0]
+        for i in range(1, world):
+            avg = avg + rows[i]
+        return avg / world
+    return server_sum
+
+
+def _fused_allreduce(flat: torch.Tensor, shape, codec: Codec, state: AllreduceState, group, stats, ws: int,
+                     rank: int, m: int, padded: int) -> torch.Tensor:
+    """compressed_allreduce on the fused codecs: each phase encodes all its chunks in one call
+    and decodes every received payload in one call; same bytes and results as the reference."""
+    n = flat.numel()
+    device = flat.device
+    lossy = not codec.lossless
+    err = _buffer(state.worker_error, padded, device, "worker_error")
+    # The error buffers are updated in place: the input was checked finite above, and a failed
+    # collective leaves the process group unusable anyway.
+    payload, decoded, worker_error = fused_codecs.encode_segments(
+        codec, flat, ws, m, error=err, residual=lossy, valid=n, clamp=True, finite=True, decoded=ws == 1,
+        in_place=True)
+    worker_error = None if worker_error is None else worker_error.view(-1)
+    if ws == 1:
+        state.worker_error = worker_error
+        return decoded.view(-1)[:n].reshape(shape)  # a fresh buffer of ours: no copy needed
+
+    # Phase 1: chunk j to rank j, received into the rows of one buffer (ours copied in, so that
+    # one call decodes them all: decoding our own bytes gives exactly our decoded chunk).
+    received = torch.empty_like(payload)
+    received[rank].copy_(payload[rank])
+    ops = [dist.P2POp(dist.isend, payload[j], group=group, group_peer=j) for j in range(ws) if j != rank]
+    ops += [dist.P2POp(dist.irecv, received[i], group=group, group_peer=i) for i in range(ws) if i != rank]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    row_bytes = payload.shape[1]
+    sent = got = (ws - 1) * row_bytes
+
+    # Phase 2: this rank serves chunk `rank`.
+    chunks = fused_codecs.decode_segments(codec, received, m)
+    avg = fused_codecs._run(("server-sum", ws), _server_sum(ws), device, ws * m, chunks)
+    valid = min(max(n - rank * m, 0), m)
+    server_err = _buffer(state.server_error, m, device, "server_error")
+    server_payload, _, server_error = fused_codecs.encode_segments(
+        codec, avg[:valid], 1, m, error=server_err, residual=lossy, valid=valid, clamp=True, finite=True,
+        decoded=False, in_place=True)
+    gathered = torch.empty(ws, row_bytes, dtype=torch.uint8, device=device)
+    dist.all_gather(list(gathered.unbind(0)), server_payload[0], group=group)
+    sent += (ws - 1) * row_bytes
+    got += (ws - 1) * row_bytes
+
+    out = fused_codecs.decode_segments(codec, gathered, m).view(-1)[:n]
+    state.worker_error = worker_error
+    state.server_error = None if server_error is None else server_error.view(-1)
+    if stats is not None:
+        stats.add_bytes(sent, got, fp32_allreduce_bytes(n, ws))
+    return out.reshape(shape)
 
 
 def simulate_compressed_allreduce(tensors: list[torch.Tensor], codec: Codec,
