@@ -1,7 +1,7 @@
 """`communication.mode: allreduce_compressed`: `compressed_allreduce_hook` (hook.py) with the
 per-parameter codec policy of `optimizer.params.compression.*`. A NaN/inf gradient zeroes the
 bucket on every rank and names the parameters; the optimizer step is then skipped everywhere.
-The codec is a live knob (`set_codec`, except under `auto`, which chooses per tensor)."""
+The codec is a live knob (`set_codec`, except under `auto`, which chooses per bucket from the measured link and codecs)."""
 from __future__ import annotations
 
 from collections import Counter
