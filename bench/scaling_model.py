@@ -237,7 +237,7 @@ def exchange_per_step(params: int, kept_share: float, world: int, rate, speeds: 
     kept = round(kept_share * bucket)
     rest = bucket - kept
     kept_s = predict_s("fp16", kept, world, rate, speeds["fp16"])
-    candidates = ("1bit",) if grad == "1bit" else ("none", "fp16", "1bit")  # dense gradients: 1bit is the lossy one
+    candidates = ("1bit",) if grad == "1bit" else ("none", "fp16", "1bit", "2bit")
     codec, predicted = choose_codec(rest, world, rate, {c: speeds[c] for c in candidates})
     return buckets * (kept_s + predicted[codec]), codec, predicted
 

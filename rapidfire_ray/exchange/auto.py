@@ -24,10 +24,10 @@ size, each also at 8 bytes for the fixed cost. Sizes grow 4x from 16 KiB until o
 
 Agreement: every rank must pick the same codec per bucket, or the collectives that follow do
 not match and the run hangs. So every number the choice depends on is agreed before anyone
-chooses: all timings (link and codecs) are reduced with MAX over the group, in one allreduce,
-and the hook averages the concentration statistic over the group; `choose_codec` is a pure
-function of those numbers. The hook also checks the result (a MIN/MAX allreduce of the codec
-indices) and stops the run with a clear error instead of hanging if ranks ever disagree.
+chooses: every timing (the codecs' in one allreduce, each link probe's as it is taken) is
+reduced with MAX over the group, and `choose_codec` is a pure function of those numbers. The
+hook also checks the result (a MIN/MAX allreduce of the codec indices) and stops the run with a
+clear error instead of hanging if ranks ever disagree.
 """
 from __future__ import annotations
 

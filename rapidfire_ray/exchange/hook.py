@@ -7,8 +7,7 @@
         ...skip the step (the bucket gradients are already zero on every rank); state.nonfinite.clear()
     metrics.update(state.stats.take())
 
-Per bucket: one small agreement allreduce (NaN/inf anywhere, the bucket's `auto` statistic
-when a decision is due), then the parameters grouped by codec (`policy`): none and fp16 as plain
+Per bucket: one small agreement allreduce (NaN/inf anywhere), then the parameters grouped by codec (`policy`): none and fp16 as plain
 allreduces, 1bit/2bit through `compressed_allreduce` with one error-feedback slot per group
 composition. Under `auto`, the first bucket of the first step and of every `auto_interval`-th
 step after it first measures the link and the codecs (auto.py; all ranks reach it at the same
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from ..compression import CODECS
 from .allreduce import AllreduceState, _world, compressed_allreduce, layout
 from .auto import fp16_prepare, measure
-from .policy import CompressionPolicy, concentration
+from .policy import CompressionPolicy
 from .stats import CommStats, fp32_allreduce_bytes
 
 log = logging.getLogger(__name__)
@@ -224,12 +223,8 @@ class HookState:
             self._measure(buffer.device, ws, rank)
         decide = bool(auto) and policy.decision_due(name for name, _, _ in auto)
 
-        # One allreduce: non-finite flag + the bucket's concentration statistic when a decision is due.
-        parts = [(~torch.isfinite(buffer).all()).to(torch.float32).reshape(1)]
-        if decide:
-            flat, _ = _gather(buffer, [(off, n) for _, off, n in auto])
-            parts.append(torch.tensor([concentration(flat)], dtype=torch.float32, device=buffer.device))
-        agreed = torch.cat(parts)
+        # One allreduce: is the bucket non-finite on any rank.
+        agreed = (~torch.isfinite(buffer).all()).to(torch.float32).reshape(1)
         self._allreduce(agreed, ws)
         agreed = agreed.tolist()
 
@@ -246,7 +241,7 @@ class HookState:
 
         if decide:
             codec = policy.decide_bucket(bucket.index(), [name for name, _, _ in auto], sum(n for _, _, n in auto),
-                                         agreed[1] / ws, self.step)
+                                         self.step)
             self._check_agreed(codec, bucket.index(), ws, buffer.device)
         codecs = [policy.choices.get(name, "none") if r == "auto" else r for (name, _, _), r in zip(entries, rules)]
 

@@ -20,17 +20,17 @@ Rules, in order:
 
 Auto. The hook measures the link between the workers and the codecs' speed on this device
 (`auto.measure`, agreed over the ranks) when training starts and every `auto_interval` steps;
-after each measurement every bucket is decided again: `decide_bucket` takes the candidates
-none, fp16 and one lossy codec, and `auto.choose_codec` picks the fastest. The lossy candidate
-comes from the concentration statistic (share of the bucket's L2 mass in its largest 1% of
-entries, averaged over the ranks): at or above `auto_threshold` (default 0.5) `2bit`, else
-`1bit` (docs/exchange.md: why concentrated gradients get 2bit). So the statistic only matters
-where compression pays. On a fast link the answer is none or fp16, on a slow one 1bit.
+after each measurement every bucket is decided again: `decide_bucket` gives `auto.choose_codec`
+none, fp16, 1bit and 2bit and takes the fastest. On a fast link the answer is none or fp16, on
+a slow one 1bit (2bit sends ~2.6x its bytes and costs more to encode, so it wins only where
+its codec is measured faster). The concentration statistic below no longer takes part: it
+chose 2bit for concentrated gradients, which on the shaped netns link made `auto` 1.6x slower
+than fixed 1bit (bench/results/comm_bound_auto.json, 2026-12-04); it stays for analysis.
 
 Every decision is one line through our logger (rank 0: `announce`) with the predicted time of
 each candidate, and is kept in `decisions` (bucket index -> record) and `choices` (parameter
 name -> codec); `report()` gives the measurements and decisions for the run summary.
-`state_dict()` / `load_state_dict()` carry choices and statistics through checkpoints; the
+`state_dict()` / `load_state_dict()` carry the choices through checkpoints; the
 measurement is not saved: a resumed run measures again (its link may differ).
 """
 from __future__ import annotations
@@ -94,7 +94,7 @@ class CompressionPolicy:
     """Per-parameter codec choice (see the module docstring)."""
 
     def __init__(self, grad: str = "1bit", keep_fp16: Iterable[str] | None = None, min_numel: int = 4096,
-                 chunk_size: int = 2048, auto_interval: int = 100, auto_threshold: float = 0.5,
+                 chunk_size: int = 2048, auto_interval: int = 100,
                  onebit_scale: str = "mean_abs"):
         if grad not in GRAD_MODES:
             raise ValueError(f"compression policy: grad must be one of {', '.join(GRAD_MODES)}, got {grad!r}")
@@ -104,19 +104,15 @@ class CompressionPolicy:
             raise ValueError(f"compression policy: min_numel must be >= 0, got {min_numel}")
         if auto_interval < 1:
             raise ValueError(f"compression policy: auto_interval must be >= 1, got {auto_interval}")
-        if not 0 <= auto_threshold <= 1:
-            raise ValueError(f"compression policy: auto_threshold must be in [0, 1], got {auto_threshold}")
         self.grad = grad
         self.keep_fp16 = list(DEFAULT_KEEP_FP16 if keep_fp16 is None else keep_fp16)
         self._patterns = [p.lower() for p in self.keep_fp16]
         self.min_numel = int(min_numel)
         self.chunk_size = int(chunk_size)
         self.auto_interval = int(auto_interval)
-        self.auto_threshold = float(auto_threshold)
         self.onebit_scale = onebit_scale
         self.announce = True  # log decisions (the hook sets it on rank 0 only)
         self.choices: dict[str, str] = {}
-        self.statistics: dict[str, float] = {}
         self.decisions: dict[int, dict] = {}  # bucket index -> the latest decision record
         self.new_decisions: list[dict] = []  # made since the exchange last took them (steps.jsonl)
         self.measurement: Measurement | None = None
@@ -153,10 +149,6 @@ class CompressionPolicy:
 
     # --- auto decisions ----------------------------------------------------------------------
 
-    def lossy_for(self, statistic: float) -> str:
-        """The lossy candidate for a gradient with this concentration statistic."""
-        return "2bit" if statistic >= self.auto_threshold else "1bit"
-
     def measurement_due(self, step: int) -> bool:
         """No measurement yet, or `auto_interval` steps since the latest."""
         return self.measurement is None or step - self.measured_at >= self.auto_interval
@@ -184,30 +176,25 @@ class CompressionPolicy:
         """Some of these auto-ruled tensors have not been decided since the latest measurement."""
         return any(self._decided_round.get(name) != self.round for name in names)
 
-    def decide_bucket(self, bucket: int, names: list[str], numel: int, statistic: float, step: int) -> str:
+    def decide_bucket(self, bucket: int, names: list[str], numel: int, step: int) -> str:
         """Decide the codec of bucket `bucket`'s auto-ruled tensors (`names`, `numel` elements in
-        all) from the latest measurement and the bucket's concentration `statistic` (the mean over
-        the ranks); records, logs and returns it. The same inputs give the same codec on every rank."""
+        all) from the latest measurement; records, logs and returns it. The same measurement gives
+        the same codec on every rank."""
         m = self.measurement
         if m is None:
             raise RuntimeError("compression auto: decide_bucket before any measurement")
-        lossy = self.lossy_for(statistic)
-        candidates = {c: m.speeds[c] for c in ("none", "fp16", lossy)}
-        codec, predicted = choose_codec(numel, m.world_size, m.link, candidates, self.chunk_size)
+        codec, predicted = choose_codec(numel, m.world_size, m.link, m.speeds, self.chunk_size)
         previous = self.decisions.get(bucket, {}).get("codec")
         for name in names:
             self.choices[name] = codec
-            self.statistics[name] = float(statistic)
             self._decided_round[name] = self.round
         record = {"step": step, "bucket": bucket, "tensors": len(names), "numel": numel, "codec": codec,
-                  "concentration": round(float(statistic), 4), "predicted_s": predicted}
+                  "predicted_s": predicted}
         self.decisions[bucket] = record
         self.new_decisions.append(record)
-        level = logging.INFO if codec != previous else logging.DEBUG
         line = (f"compression auto: bucket {bucket} ({len(names)} tensors, {numel:,} elements) -> {codec} "
-                f"(predicted {', '.join(f'{c} {_ms(t)}' for c, t in predicted.items())}; "
-                f"top-1% L2 share {statistic:.3f}, step {step})")
-        if self.announce and level == logging.INFO:
+                f"(predicted {', '.join(f'{c} {_ms(t)}' for c, t in predicted.items())}; step {step})")
+        if self.announce and codec != previous:
             say(line)
         else:
             log.debug(line)
@@ -238,20 +225,17 @@ class CompressionPolicy:
         return self._codecs[name]
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "grad": self.grad, "choices": dict(self.choices),
-                "statistics": dict(self.statistics)}
+        return {"format": STATE_FORMAT, "grad": self.grad, "choices": dict(self.choices)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Choices and statistics (also from the older per-tensor format); the next step measures
-        and decides every bucket again."""
+        """The choices (also from the older per-tensor format); the next step measures and decides
+        every bucket again."""
         if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, *OLD_STATE_FORMATS):
             raise ValueError(f"compression policy: not a policy state dict (expected format {STATE_FORMAT!r})")
         self.choices = dict(state.get("choices", {}))
-        self.statistics = {k: float(v) for k, v in state.get("statistics", {}).items()}
         self.measurement = None
         self._decided_round = {}
 
     def __repr__(self) -> str:
         return (f"CompressionPolicy(grad={self.grad!r}, keep_fp16={self.keep_fp16!r}, min_numel={self.min_numel}, "
-                f"chunk_size={self.chunk_size}, auto_interval={self.auto_interval}, "
-                f"auto_threshold={self.auto_threshold}, onebit_scale={self.onebit_scale!r})")
+                f"chunk_size={self.chunk_size}, auto_interval={self.auto_interval}, onebit_scale={self.onebit_scale!r})")
