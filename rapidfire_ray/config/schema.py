@@ -218,8 +218,8 @@ class CompressionSection:
                               "pulled deltas), or rapidfire_adamw's momentum codec (with communication.mode "
                               "allreduce or allreduce_compressed: both mean its momentum exchange); auto "
                               "(allreduce_compressed): measures the link and the codecs when training starts and "
-                              "picks per bucket the fastest of none, fp16 and 1bit (2bit for concentrated "
-                              "gradients), keep_fp16 tensors staying fp16", choices=("none", "fp16", "1bit", "2bit", "auto"))
+                              "picks per bucket the fastest of none, fp16, 1bit and 2bit, keep_fp16 tensors "
+                              "staying fp16", choices=("none", "fp16", "1bit", "2bit", "auto"))
     act: Optional[str] = field(None, "compression of activations saved for backward inside the decoder blocks "
                                      "(null: int8 from memory.optim_level level2 up, else none)",
                                choices=("none", "int8", None))
