@@ -49,7 +49,10 @@ Reported: step-time speedup of each compressed mode over allreduce; the Amdahl l
 times and the measured byte ratio, and the share of it achieved; time to the same loss (the
 first step whose 3-step trailing mean loss is <= the allreduce run's final 3-step trailing
 mean, times the run's mean step time; if some run never gets there, the lowest level every run
-reaches, and the result says so); pure 1-bit bytes vs fp32 bytes per step.
+reaches, and the result says so); pure 1-bit bytes vs fp32 bytes per step. `compressed_auto`
+(`grad: auto`) against the others (`auto_targets`): with `--unshaped-modes allreduce
+compressed_auto` both also run on the unshaped links after the calibration (auto within 3% of
+plain allreduce there), and on the shaped links auto within 10% of the best fixed codec run.
 
 Writes bench/results/comm_bound.json: {"runs": [...]} in the `bench/scaling_model.py check`
 format (one row per shaped run) plus the full result, then runs
@@ -60,6 +63,7 @@ PID, namespaces, links); Ray is stopped by PID only.
 
     python bench/comm_bound.py [--steps 30] [--steps-3 20] [--nodes 2 3] [--comm-share 0.97]
                                [--rate 1mbit] [--burst small|harness] [--modes-3 ...]
+                               [--unshaped-modes allreduce compressed_auto]
 """
 from __future__ import annotations
 
@@ -97,6 +101,11 @@ VARIANTS = {
                               "optimizer.params.compression.min_numel": 0}),
     "rapidfire_adamw": ("rapidfire_adamw", "1bit",
                         {"optimizer.type": "rapidfire_adamw", "optimizer.params.compression.grad": "1bit"}),
+    # compression only where it pays: the measured link and codecs pick per bucket (fp16/none when fast)
+    "compressed_auto": ("allreduce_compressed", "auto",
+                        {"communication.mode": "allreduce_compressed", "optimizer.params.compression.grad": "auto"}),
+    "compressed_fp16": ("allreduce_compressed", "fp16",
+                        {"communication.mode": "allreduce_compressed", "optimizer.params.compression.grad": "fp16"}),
     # one shard per node (the default); pushes and pulls are Ray object transfers across the links
     "parameter_server": ("parameter_server", "1bit",
                          {"communication.mode": "parameter_server", "optimizer.type": "rapidfire_adamw",
@@ -515,6 +524,20 @@ def run_node_count(args, nodes: int, steps: int, variants: list[str], params: in
         say(f"  unshaped: step {cal['measured']['step_s']:.3f} s, exchange {cal['measured']['comm_s']:.4f} s -> "
             f"compute {compute_s:.3f} s; workers per namespace {calib['train_workers_per_namespace']}")
         out["compute_s"] = round(compute_s, 4)
+        quiet_runs = quiet
+        for v in args.unshaped_modes:
+            say(f"{nodes} nodes: {v} on the unshaped links ({steps} steps)")
+            run = train(h, address, work, f"{v}-unshaped-n{nodes}", nodes, steps, dict(VARIANTS[v][2]), timeout,
+                        quiet_runs)
+            if run["returncode"] != 0:
+                say(f"  FAILED ({run['returncode']}); log tail:\n{run['log_tail'][-1500:]}")
+                continue
+            m = measure(run, args.warmup)
+            m["command"] = run["command"]
+            out.setdefault("unshaped_runs", {})[v] = m
+            say(f"  step {m['measured']['step_s']:.4f} s (median {m['measured']['step_median_s']:.4f}, exchange "
+                f"{m['measured']['comm_s']:.4f} s), {m['measured']['bytes_sent_per_step']} B/step, "
+                f"auto: {auto_codecs(run)}")
         if bits is None:
             bits = rate_for(compute_s, params, args.comm_share, nodes)
             say(f"  rate for a {args.comm_share:.0%} fp32 exchange share: {bits / 1e6:.3f} Mbit/s")
@@ -548,6 +571,8 @@ def run_node_count(args, nodes: int, steps: int, variants: list[str], params: in
                 m["freeze_step"] = freeze
             out["runs"][v] = m
             mm = m["measured"]
+            if v == "compressed_auto":
+                m["auto_codecs"] = auto_codecs(run)
             say(f"  step {mm['step_s']:.3f} s (exchange {mm['comm_s']:.3f} s, {mm['comm_share']:.1%}), "
                 f"{mm['bytes_sent_per_step']} B/step sent (ratio {mm['compression_ratio']}), final loss "
                 f"{m['final_loss']}, workers per namespace {run['train_workers_per_namespace']}, wall {run['wall_s']} s, "
@@ -578,6 +603,44 @@ def run_node_count(args, nodes: int, steps: int, variants: list[str], params: in
         say(f"{nodes} nodes: harness down ({len(removed['pids'])} stray processes stopped, "
             f"namespaces {removed['namespaces']})")
         shutil.rmtree(temp_root, ignore_errors=True)
+    return out
+
+
+def auto_codecs(run: dict) -> dict | None:
+    """What `auto` chose in a run: the summary's decisions (codec per bucket) and rank 0's last
+    tensors-per-codec count."""
+    auto = (run.get("summary") or {}).get("communication", {}).get("auto")
+    if not auto:
+        return None
+    last = [r for r in run.get("records", []) if r["rank"] == 0 and "auto_codecs" in r]
+    return {"buckets": {str(d["bucket"]): d["codec"] for d in auto["decisions"]},
+            "tensors_per_codec": last[-1]["auto_codecs"] if last else None,
+            "measured_link": [m.get("link") for m in auto["measurements"]]}
+
+
+def auto_targets(node_results: list[dict]) -> dict:
+    """Issue 19's auto targets: on the unshaped link within 3% of plain allreduce, on the shaped
+    one within 10% of the best fixed codec (mean step time after the warm-up, same run order)."""
+    out = {}
+    for nr in node_results:
+        t = {}
+        fast = nr.get("unshaped_runs", {})
+        if "allreduce" in fast and "compressed_auto" in fast:
+            ratio = fast["compressed_auto"]["measured"]["step_s"] / fast["allreduce"]["measured"]["step_s"]
+            median = fast["compressed_auto"]["measured"]["step_median_s"] / fast["allreduce"]["measured"]["step_median_s"]
+            t["unshaped"] = {"auto_over_allreduce": round(ratio, 4), "median_auto_over_allreduce": round(median, 4),
+                             "target": "<= 1.03", "met": ratio <= 1.03}
+        slow = nr["runs"]
+        fixed = {v: m["measured"]["step_s"] for v, m in slow.items() if v not in ("compressed_auto",) + FROZEN}
+        if "compressed_auto" in slow and fixed:
+            best = min(fixed, key=fixed.get)
+            ratio = slow["compressed_auto"]["measured"]["step_s"] / fixed[best]
+            t["shaped"] = {"best_fixed": best, "best_fixed_step_s": fixed[best],
+                           "auto_step_s": slow["compressed_auto"]["measured"]["step_s"],
+                           "auto_over_best_fixed": round(ratio, 4), "target": "<= 1.10", "met": ratio <= 1.10,
+                           "fp32_exchange_share": (nr.get("amdahl") or {}).get("comm_share")}
+        if t:
+            out[f"{nr['nodes']}_nodes"] = t
     return out
 
 
@@ -630,8 +693,8 @@ def model_rows(node_results: list[dict], params: int, codec_gbps: float) -> list
     for nr in node_results:
         for v, m in nr["runs"].items():
             mode, codec, _ = VARIANTS[v]
-            if mode not in ("allreduce", "allreduce_compressed", "rapidfire_adamw"):
-                continue  # the scaling model has no parameter-server mode
+            if mode not in ("allreduce", "allreduce_compressed", "rapidfire_adamw") or codec in ("auto", "fp16"):
+                continue  # the scaling model has no parameter-server mode; auto and all-fp16: not in its check
             warmup = 0.0
             if v == "rapidfire_adamw":
                 # the measured mean covers steps warmup+1..steps; freeze_step of them are fp32
@@ -657,12 +720,15 @@ def main() -> None:
     p.add_argument("--comm-share", type=float, default=0.97, help="fp32 exchange share of the step to aim for")
     p.add_argument("--rate", default=None, help="tbf rate (tc units, e.g. 1mbit) instead of choosing it")
     p.add_argument("--burst", choices=("small", "harness"), default="small")
-    p.add_argument("--modes", nargs="+", default=[v for v in VARIANTS if v != "parameter_server"],
+    p.add_argument("--modes", nargs="+", default=["allreduce", "compressed_1bit", "compressed_1bit_pure",
+                                                  "rapidfire_adamw", "compressed_auto"],
                    choices=list(VARIANTS))
     p.add_argument("--modes-3", nargs="+", default=["allreduce", "compressed_1bit_pure", "rapidfire_adamw"],
                    choices=list(VARIANTS))
     p.add_argument("--no-harness-burst-check", dest="harness_burst_check", action="store_false",
                    help="skip the pure 1-bit rerun on netns.py's own 64 KiB-burst tbf")
+    p.add_argument("--unshaped-modes", nargs="*", default=[],
+                   help="variants also run on the unshaped links after the calibration (e.g. allreduce compressed_auto)")
     p.add_argument("--codec-gbps", type=float, default=0.25, help="1-bit encode+decode GB/s (bench/codecs.py)")
     p.add_argument("--node-cpus", type=int, default=2,
                    help="CPUs each Ray node offers; 1 (the worker's own) deadlocks the data sharding (see the docstring)")
@@ -717,6 +783,7 @@ def main() -> None:
         "settings": vars(args) | {"params": params, "fp32_gradient_bytes": 4 * params},
         "runs": rows,
         "targets": targets(node_results),
+        "auto_targets": auto_targets(node_results),
         "node_counts": node_results,
         "left_behind": left,
     }
@@ -737,6 +804,16 @@ def main() -> None:
         if t:
             say(f"  time to loss {t['target_loss']} ({t['rule']}): " + ", ".join(
                 f"{k} step {v['step']} {v['time_s']} s ({v['speedup_vs_allreduce']}x)" for k, v in t["runs"].items()))
+
+    for key, t in result["auto_targets"].items():
+        if "unshaped" in t:
+            u = t["unshaped"]
+            say(f"{key}, unshaped: auto / allreduce step {u['auto_over_allreduce']} (median "
+                f"{u['median_auto_over_allreduce']}), target {u['target']}: {'met' if u['met'] else 'NOT met'}")
+        if "shaped" in t:
+            u = t["shaped"]
+            say(f"{key}, shaped: auto {u['auto_step_s']} s / best fixed ({u['best_fixed']}) {u['best_fixed_step_s']} s "
+                f"= {u['auto_over_best_fixed']}, target {u['target']}: {'met' if u['met'] else 'NOT met'}")
 
     cmd = [sys.executable, SCALING_MODEL, "check", args.out, "--out", args.check_out]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)

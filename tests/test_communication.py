@@ -55,3 +55,23 @@ def test_rapidfire_adamw_trains_and_resumes(ray_cluster, tmp_path):
     resumed = train(tmp_path, "onebit", "optimizer.type=rapidfire_adamw", "optimizer.params.compression.grad=1bit",
                     "communication.mode=allreduce_compressed", "optimizer.params.freeze_step=2", "train.max_steps=6", "checkpoint.every_steps=2", resume=True)
     assert resumed["start_step"] == 4 and resumed["steps"] == 6
+
+
+def test_auto_measures_the_link_decides_per_bucket_and_reports_it(ray_cluster, tmp_path):
+    s = train(tmp_path, "auto", "optimizer.params.compression.grad=auto", "optimizer.params.compression.auto_interval=3",
+              "train.max_steps=4", "checkpoint.every_steps=0", flags=["--communication", "allreduce_compressed"])
+    auto = s["communication"]["auto"]
+    # measured when training starts and again 3 steps later, on both workers' gloo group
+    assert [m["step"] for m in auto["measurements"]] == [0, 3]
+    assert all(m["world_size"] == 2 and m["link"]["allreduce_bytes_s"] > 0 for m in auto["measurements"])
+    assert auto["decisions"] and all(d["step"] == 3 and d["codec"] in ("none", "fp16", "1bit", "2bit")
+                                     and d["codec"] == min(d["predicted_s"], key=d["predicted_s"].get)
+                                     for d in auto["decisions"])
+    steps = [json.loads(line) for line in (tmp_path / "auto" / "steps.jsonl").read_text().splitlines()]
+    by_rank = {r: {rec["step"]: rec for rec in steps if rec["rank"] == r} for r in (0, 1)}
+    # the step records carry each measurement and the decisions it led to; both ranks made the same
+    for step in (1, 4):
+        assert "auto_measurement" in by_rank[0][step] and "auto_measurement" in by_rank[1][step]
+        assert by_rank[0][step]["auto_decisions"] == by_rank[1][step]["auto_decisions"]
+    assert "auto_measurement" not in by_rank[0][2] and "auto_decisions" not in by_rank[0][2]
+    assert s["final_loss"] < s["first_loss"], s["loss_history"]

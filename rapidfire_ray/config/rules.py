@@ -57,7 +57,7 @@ def cross_checks(cfg: DictConfig) -> None:
             raise RapidfireError("optimizer.params.compression.grad: 'none' leaves rapidfire_adamw nothing to "
                                  "compress in the pushes; set it to 1bit (or 2bit, fp16), or use optimizer.type adamw")
         if grad == "auto":
-            raise RapidfireError("optimizer.params.compression.grad: 'auto' chooses per tensor inside the compressed "
+            raise RapidfireError("optimizer.params.compression.grad: 'auto' chooses per bucket inside the compressed "
                                  "allreduce; communication.mode parameter_server uses one codec for every tensor: "
                                  "use none, fp16, 1bit or 2bit")
     elif optimizer == "rapidfire_adamw":

@@ -216,8 +216,10 @@ class TrainSection:
 class CompressionSection:
     grad: str = field("none", "gradient codec on the wire (allreduce_compressed; parameter_server: pushes and "
                               "pulled deltas), or rapidfire_adamw's momentum codec (with communication.mode "
-                              "allreduce or allreduce_compressed: both mean its momentum exchange); auto picks "
-                              "1bit or 2bit per tensor from its gradient statistics", choices=("none", "fp16", "1bit", "2bit", "auto"))
+                              "allreduce or allreduce_compressed: both mean its momentum exchange); auto "
+                              "(allreduce_compressed): measures the link and the codecs when training starts and "
+                              "picks per bucket the fastest of none, fp16, 1bit and 2bit, keep_fp16 tensors "
+                              "staying fp16", choices=("none", "fp16", "1bit", "2bit", "auto"))
     act: Optional[str] = field(None, "compression of activations saved for backward inside the decoder blocks "
                                      "(null: int8 from memory.optim_level level2 up, else none)",
                                choices=("none", "int8", None))
@@ -226,7 +228,8 @@ class CompressionSection:
                                  "projections, norms, biases; [] compresses everything")
     min_numel: int = field(4096, "tensors with fewer elements stay fp16 (0: no size rule)", range=(0, None))
     chunk_size: int = field(2048, "elements per scale of the 1bit/2bit codecs", range=(8, None))
-    auto_interval: int = field(100, "auto: steps between re-evaluations of each tensor's codec", range=(1, None))
+    auto_interval: int = field(100, "auto: steps between measurements of the link and codecs (each followed by "
+                                    "a new decision per bucket)", range=(1, None))
 
 
 @dataclass

@@ -240,6 +240,9 @@ class SFTStage(StageSpec):
         memory = self.rank0.memory if self.rank0 is not None else None
         memory_model = self.memory_model
         summary["communication"] = {"mode": cfg.communication.mode, **(summary["communication"] or {})}
+        auto = (self.rank0.exchange or {}).get("auto") if self.rank0 is not None else None
+        if auto is not None:  # compression.grad auto: the link/codec measurements and each bucket's codec
+            summary["communication"]["auto"] = auto
         if self.ps is not None:
             summary["parameter_server"] = parameter_server_summary(self.ps_shards, self.ps_clients, steps)
             say(parameter_server_line(summary["parameter_server"]))

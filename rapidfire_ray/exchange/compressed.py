@@ -1,7 +1,7 @@
 """`communication.mode: allreduce_compressed`: `compressed_allreduce_hook` (hook.py) with the
 per-parameter codec policy of `optimizer.params.compression.*`. A NaN/inf gradient zeroes the
 bucket on every rank and names the parameters; the optimizer step is then skipped everywhere.
-The codec is a live knob (`set_codec`, except under `auto`, which chooses per tensor)."""
+The codec is a live knob (`set_codec`, except under `auto`, which chooses per bucket from the measured link and codecs)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -53,12 +53,24 @@ class CompressedExchange(GradientExchange):
     def take_stats(self) -> dict:
         out = super().take_stats()
         if self.hook_state is not None and self.hook_state.policy.grad == "auto":
-            counts = dict(Counter(self.hook_state.policy.choices.values()))
+            policy = self.hook_state.policy
+            counts = dict(Counter(policy.choices.values()))
             out["auto_codecs"] = counts  # tensors per chosen codec, in steps.jsonl
+            measurement, decisions = policy.take_new()
+            if measurement is not None:  # the step it was measured: the numbers behind the decisions
+                out["auto_measurement"] = measurement
+            if decisions:
+                out["auto_decisions"] = decisions
             if counts != self._auto_counts and self.rank == 0:
                 say(f"compression.grad auto: tensors per codec {counts}")
             self._auto_counts = counts
         return out
+
+    def finish(self) -> dict | None:
+        """Under auto: the measurements and each bucket's latest decision (run summary)."""
+        if self.hook_state is None or self.hook_state.policy.grad != "auto":
+            return None
+        return {"auto": self.hook_state.policy.report()}
 
     def _state_part(self) -> HookState | None:
         return self.hook_state

@@ -7,9 +7,11 @@
         ...skip the step (the bucket gradients are already zero on every rank); state.nonfinite.clear()
     metrics.update(state.stats.take())
 
-Per bucket: one small agreement allreduce (NaN/inf anywhere, `auto` statistics), then the
-parameters grouped by codec (`policy`): none and fp16 as plain allreduces, 1bit/2bit through
-`compressed_allreduce` with one error-feedback slot per group composition. The steps, how
+Per bucket: one small agreement allreduce (NaN/inf anywhere), then the parameters grouped by codec (`policy`): none and fp16 as plain
+allreduces, 1bit/2bit through `compressed_allreduce` with one error-feedback slot per group
+composition. Under `auto`, the first bucket of the first step and of every `auto_interval`-th
+step after it first measures the link and the codecs (auto.py; all ranks reach it at the same
+bucket), then each bucket is decided again and the ranks check they chose alike. The steps, how
 slots follow DDP's bucket rebuilds, and how bytes are counted: docs/exchange.md.
 """
 import logging
@@ -22,14 +24,14 @@ import torch.distributed as dist
 
 from ..compression import CODECS
 from .allreduce import AllreduceState, _world, compressed_allreduce, layout
-from .policy import CompressionPolicy, concentration
+from .auto import fp16_prepare, measure
+from .policy import CompressionPolicy
 from .stats import CommStats, fp32_allreduce_bytes
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = "rapidfire_ray.comm.hook/1"  # the saved format's name (checkpoints): kept
 CODEC_ORDER = tuple(CODECS)  # none, fp16, 1bit, 2bit: the same group order on every rank
-FP16_MAX = torch.finfo(torch.float16).max
 
 
 @dataclass
@@ -71,12 +73,16 @@ class HookState:
         self.skipped_buckets = 0
         self._names_by_id: dict[int, str] = {}
         self._names_by_ptr: dict[tuple[int, int], str] = {}
-        for name, p in named_parameters:
+        named = list(named_parameters)
+        for name, p in named:
             self._names_by_id.setdefault(id(p), name)
             self._names_by_ptr.setdefault((p.data_ptr(), p.numel()), name)
         self._slots: dict[tuple, _Slot] = {}
         self._owner: dict[str, tuple] = {}
         self._warned_unnamed = False
+        self.step = 0  # synchronised backward passes seen (auto: when to measure again)
+        # trainable elements: how large the auto probes get (codec buffer, link payload cap)
+        self._numel = sum(p.numel() for p in {id(p): p for _, p in named if p.requires_grad}.values())
 
     # --- naming and layout -------------------------------------------------------------------
 
@@ -178,18 +184,47 @@ class HookState:
             self.stats.add_bytes(nbytes, nbytes, fp32_allreduce_bytes(fp32_numel, ws))
 
     def _process(self, bucket, buffer: torch.Tensor) -> None:
-        ws, _ = _world(self.group)
+        try:
+            self._process_bucket(bucket, buffer)
+        finally:
+            if self.policy.grad == "auto" and bucket.is_last():
+                self.step += 1  # DDP calls the hook for every bucket of every synchronised backward
+
+    def _measure(self, device: torch.device, ws: int, rank: int) -> None:
+        """auto: time the link over this hook's group and the codecs on this device (agreed by all
+        ranks, which reach this at the same bucket of the same step)."""
+        policy = self.policy
+        policy.announce = rank == 0
+        codecs = {c: policy.codec(c) for c in CODEC_ORDER}
+        measurement = measure(codecs, device, self.group, elements=self._numel,
+                              max_link_bytes=4 * self._numel)
+        policy.set_measurement(measurement, self.step)
+
+    def _check_agreed(self, codec: str, bucket_index: int, ws: int, device: torch.device) -> None:
+        """Every rank must have chosen the same codec; stop with a clear error rather than hang."""
+        if ws <= 1:
+            return
+        i = float(CODEC_ORDER.index(codec))
+        t = torch.tensor([i, -i], dtype=torch.float32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = t[0].item(), -t[1].item()
+        if high != low:
+            raise RuntimeError(f"compression auto: the workers chose different codecs for bucket {bucket_index} "
+                               f"({CODEC_ORDER[int(low)]} .. {CODEC_ORDER[int(high)]}); this is a bug, please report "
+                               "it; set optimizer.params.compression.grad to a fixed codec meanwhile")
+
+    def _process_bucket(self, bucket, buffer: torch.Tensor) -> None:
+        ws, rank = _world(self.group)
         policy = self.policy
         entries = self._entries(bucket, buffer)
         rules = [policy.rule(name, n) for name, _, n in entries]
-        due = [i for i, r in enumerate(rules) if r == "auto" and policy.due(entries[i][0])]
+        auto = [entries[i] for i, r in enumerate(rules) if r == "auto"]
+        if auto and policy.measurement_due(self.step):
+            self._measure(buffer.device, ws, rank)
+        decide = bool(auto) and policy.decision_due(name for name, _, _ in auto)
 
-        # One allreduce: non-finite flag + the concentration statistics due this step.
-        parts = [(~torch.isfinite(buffer).all()).to(torch.float32).reshape(1)]
-        if due:
-            shares = [concentration(buffer[off:off + n]) for _, off, n in (entries[i] for i in due)]
-            parts.append(torch.tensor(shares, dtype=torch.float32, device=buffer.device))
-        agreed = torch.cat(parts)
+        # One allreduce: is the bucket non-finite on any rank.
+        agreed = (~torch.isfinite(buffer).all()).to(torch.float32).reshape(1)
         self._allreduce(agreed, ws)
         agreed = agreed.tolist()
 
@@ -204,9 +239,11 @@ class HookState:
                         bucket.index(), ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
             return
 
-        for j, i in enumerate(due):
-            policy.decide(entries[i][0], agreed[1 + j] / ws)
-        codecs = [policy.choices.get(name, "1bit") if r == "auto" else r for (name, _, _), r in zip(entries, rules)]
+        if decide:
+            codec = policy.decide_bucket(bucket.index(), [name for name, _, _ in auto], sum(n for _, _, n in auto),
+                                         self.step)
+            self._check_agreed(codec, bucket.index(), ws, buffer.device)
+        codecs = [policy.choices.get(name, "none") if r == "auto" else r for (name, _, _), r in zip(entries, rules)]
 
         for codec in CODEC_ORDER:
             members = [e for e, c in zip(entries, codecs) if c == codec]
@@ -220,8 +257,7 @@ class HookState:
                 self._allreduce(flat, ws, numel)
                 result = flat
             elif codec == "fp16":
-                limit = 0.99 * FP16_MAX / ws
-                half = (flat.to(torch.float32) / ws).clamp_(-limit, limit).to(torch.float16)
+                half = fp16_prepare(flat, ws)
                 self._allreduce(half, ws, numel)
                 flat.copy_(half)
                 result = flat
@@ -233,10 +269,6 @@ class HookState:
                     flat.copy_(result)
             if not is_view:
                 _scatter(buffer, spans, result)
-
-        for (name, _, _), r in zip(entries, rules):
-            if r == "auto":
-                policy.advance(name)
 
 
 def _gather(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, bool]:

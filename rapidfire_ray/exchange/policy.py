@@ -13,24 +13,25 @@ Rules, in order:
    would eat the savings; such tensors are a tiny share of the bytes anyway).
    Default patterns: attention output projections (`*o_proj*`, `*out_proj*`, `*c_proj*`),
    norms (`*norm*`, `*ln_*`), biases (`*.bias`). `keep_fp16=[]` compresses every tensor
-   (the size rule still applies unless `min_numel=0`).
+   (the size rule still applies unless `min_numel=0`). Under `auto` too.
 3. `grad` "1bit" or "2bit": that codec.
-4. `grad` "auto": per tensor, from its gradient, re-decided every `auto_interval` steps.
+4. `grad` "auto": per DDP bucket, the codec with the smallest predicted exchange time
+   (exchange/auto.py) for the bucket's tensors that rule 2 does not keep.
 
-Auto choice: the concentration (share of the gradient's L2 mass in its largest 1% of
-entries) at or above `auto_threshold` (default 0.5) gets `2bit`, else `1bit`. What the
-statistic measures and why concentrated gradients get 2bit: docs/exchange.md.
+Auto. The hook measures the link between the workers and the codecs' speed on this device
+(`auto.measure`, agreed over the ranks) when training starts and every `auto_interval` steps;
+after each measurement every bucket is decided again: `decide_bucket` gives `auto.choose_codec`
+none, fp16, 1bit and 2bit and takes the fastest. On a fast link the answer is none or fp16, on
+a slow one 1bit (2bit sends ~2.6x its bytes and costs more to encode, so it wins only where
+its codec is measured faster). The concentration statistic below no longer takes part: it
+chose 2bit for concentrated gradients, which on the shaped netns link made `auto` 1.6x slower
+than fixed 1bit (bench/results/comm_bound_auto.json, 2026-12-04); it stays for analysis.
 
-Across ranks. Each rank measures its own gradient, so the choice must be agreed or ranks would
-group tensors differently and the collectives would not match. The DDP hook sums the
-statistics over ranks (one small allreduce, on the steps where a decision is due) and calls
-`decide(name, mean_statistic)` on every rank with the same number; `decide_collectively` does
-the same for other callers (an optimizer's own exchange). `codec_for(..., grad=...)` measures
-locally and is meant for single-process use only.
-
-Each decision is logged (logger "rapidfire_ray.exchange.policy": INFO when the codec changes, DEBUG
-otherwise) and kept in `choices` (name -> codec) and `statistics` (name -> statistic).
-`state_dict()` / `load_state_dict()` carry them (and the step counters) through checkpoints.
+Every decision is one line through our logger (rank 0: `announce`) with the predicted time of
+each candidate, and is kept in `decisions` (bucket index -> record) and `choices` (parameter
+name -> codec); `report()` gives the measurements and decisions for the run summary.
+`state_dict()` / `load_state_dict()` carry the choices through checkpoints; the
+measurement is not saved: a resumed run measures again (its link may differ).
 """
 from __future__ import annotations
 
@@ -43,14 +44,19 @@ import torch
 
 from ..compression import CODECS, Codec, get_codec
 from ..compression.twobit import top_magnitude_indices
+from ..log import say
+from .auto import Measurement, choose_codec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KEEP_FP16 = ("*o_proj*", "*out_proj*", "*c_proj*", "*norm*", "*ln_*", "*.bias")
 GRAD_MODES = ("none", "fp16", "1bit", "2bit", "auto")
-STATE_FORMAT = "rapidfire_ray.comm.policy/1"  # the saved format's name (checkpoints): kept
+STATE_FORMAT = "rapidfire_ray.comm.policy/2"  # the saved format's name (checkpoints)
+OLD_STATE_FORMATS = ("rapidfire_ray.comm.policy/1",)  # per-tensor auto: its choices load, then are re-decided
 #: Share of the entries whose L2 mass the concentration statistic measures.
 TOP_FRACTION = 0.01
+#: Measurements kept for the run summary (the first and the latest ones).
+KEPT_MEASUREMENTS = 20
 
 
 def concentration(grad: torch.Tensor, top_fraction: float = TOP_FRACTION) -> float:
@@ -72,11 +78,23 @@ def concentration(grad: torch.Tensor, top_fraction: float = TOP_FRACTION) -> flo
     return min(1.0, float(top / squares.sum()))
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _gbps(seconds_per_element: float) -> str:
+    return f"{4 / seconds_per_element / 1e9:.3g} GB/s" if seconds_per_element > 0 else "inf GB/s"
+
+
+def _rate(bytes_s: float) -> str:
+    return "inf" if math.isinf(bytes_s) else f"{bytes_s * 8 / 1e9:.3g} Gbit/s"
+
+
 class CompressionPolicy:
     """Per-parameter codec choice (see the module docstring)."""
 
     def __init__(self, grad: str = "1bit", keep_fp16: Iterable[str] | None = None, min_numel: int = 4096,
-                 chunk_size: int = 2048, auto_interval: int = 100, auto_threshold: float = 0.5,
+                 chunk_size: int = 2048, auto_interval: int = 100,
                  onebit_scale: str = "mean_abs"):
         if grad not in GRAD_MODES:
             raise ValueError(f"compression policy: grad must be one of {', '.join(GRAD_MODES)}, got {grad!r}")
@@ -86,20 +104,23 @@ class CompressionPolicy:
             raise ValueError(f"compression policy: min_numel must be >= 0, got {min_numel}")
         if auto_interval < 1:
             raise ValueError(f"compression policy: auto_interval must be >= 1, got {auto_interval}")
-        if not 0 <= auto_threshold <= 1:
-            raise ValueError(f"compression policy: auto_threshold must be in [0, 1], got {auto_threshold}")
         self.grad = grad
         self.keep_fp16 = list(DEFAULT_KEEP_FP16 if keep_fp16 is None else keep_fp16)
         self._patterns = [p.lower() for p in self.keep_fp16]
         self.min_numel = int(min_numel)
         self.chunk_size = int(chunk_size)
         self.auto_interval = int(auto_interval)
-        self.auto_threshold = float(auto_threshold)
         self.onebit_scale = onebit_scale
+        self.announce = True  # log decisions (the hook sets it on rank 0 only)
         self.choices: dict[str, str] = {}
-        self.statistics: dict[str, float] = {}
-        self.steps: dict[str, int] = {}
-        self.decided_at: dict[str, int] = {}
+        self.decisions: dict[int, dict] = {}  # bucket index -> the latest decision record
+        self.new_decisions: list[dict] = []  # made since the exchange last took them (steps.jsonl)
+        self.measurement: Measurement | None = None
+        self.measured_at = -1  # the step of the latest measurement
+        self.measurements: list[dict] = []  # each measurement's numbers, for the summary
+        self.new_measurement: dict | None = None
+        self.round = 0  # measurements so far: a bucket is decided once per round
+        self._decided_round: dict[str, int] = {}
         self._codecs: dict[str, Codec] = {}
         self.codec("1bit")  # check chunk_size now, not on the first gradient
 
@@ -113,77 +134,82 @@ class CompressionPolicy:
         return any(fnmatchcase(lowered, p) for p in self._patterns)
 
     def rule(self, name: str, numel: int) -> str:
-        """The codec by the static rules, or "auto" when the gradient statistics decide."""
+        """The codec by the static rules, or "auto" when the measured link and codecs decide."""
         if self.grad in ("none", "fp16"):
             return self.grad
         if self.kept(name, numel):
             return "fp16"
         return self.grad
 
-    def codec_for(self, name: str, param: torch.Tensor, grad: torch.Tensor | None = None) -> str:
-        """"none", "fp16", "1bit" or "2bit" for parameter `name`. Under "auto", when a decision
-        is due it is made from `grad` (or `param.grad`) measured here, on this process only;
-        before any measurement the answer is "1bit"."""
+    def codec_for(self, name: str, param: torch.Tensor) -> str:
+        """"none", "fp16", "1bit" or "2bit" for parameter `name`; under "auto" the codec its
+        bucket was last given ("none" before the first decision: nothing is compressed unmeasured)."""
         codec = self.rule(name, param.numel())
-        if codec != "auto":
-            return codec
-        if self.due(name):
-            g = grad if grad is not None else param.grad
-            if g is not None:
-                stat = concentration(g)
-                if not math.isnan(stat):  # non-finite gradient: keep the previous choice
-                    self.decide(name, stat)
-        return self.choices.get(name, "1bit")
+        return self.choices.get(name, "none") if codec == "auto" else codec
 
     # --- auto decisions ----------------------------------------------------------------------
 
-    def due(self, name: str) -> bool:
-        """An auto decision is due: none made yet, or `auto_interval` steps since the last."""
-        if name not in self.choices:
-            return True
-        return self.steps.get(name, 0) - self.decided_at.get(name, 0) >= self.auto_interval
+    def measurement_due(self, step: int) -> bool:
+        """No measurement yet, or `auto_interval` steps since the latest."""
+        return self.measurement is None or step - self.measured_at >= self.auto_interval
 
-    def decide(self, name: str, statistic: float) -> str:
-        """Record the auto choice for `name` from its concentration statistic; returns it."""
-        codec = "2bit" if statistic >= self.auto_threshold else "1bit"
-        previous = self.choices.get(name)
-        self.choices[name] = codec
-        self.statistics[name] = float(statistic)
-        self.decided_at[name] = self.steps.get(name, 0)
-        level = logging.INFO if codec != previous else logging.DEBUG
-        log.log(level, "compression auto: %s -> %s (top-1%% L2 share %.3f, threshold %.2f, step %d)",
-                name, codec, statistic, self.auto_threshold, self.steps.get(name, 0))
+    def set_measurement(self, measurement: Measurement, step: int) -> None:
+        """A new agreed measurement (auto.measure): every bucket is decided again with it."""
+        self.measurement = measurement
+        self.measured_at = step
+        self.round += 1
+        record = {"step": step, **measurement.to_dict()}
+        self.new_measurement = record
+        self.measurements.append(record)
+        if len(self.measurements) > KEPT_MEASUREMENTS:
+            del self.measurements[1]  # keep the first (the run's start) and the latest ones
+        if self.announce:
+            link, sp = measurement.link, measurement.speeds
+            codecs = ", ".join(f"{c} {_gbps(sp[c].roundtrip_s)}" for c in sp)
+            say(f"compression auto: measured at step {step} on {measurement.world_size} worker(s): "
+                + (f"allreduce {_rate(link.allreduce_bytes_s)} + {_ms(link.allreduce_latency_s)}, "
+                   f"two-phase exchange {_rate(link.exchange_bytes_s)} + {_ms(link.exchange_latency_s)}; "
+                   if measurement.world_size > 1 else "no link; ")
+                + f"codecs (fp32 input, round trip) {codecs}")
+
+    def decision_due(self, names: Iterable[str]) -> bool:
+        """Some of these auto-ruled tensors have not been decided since the latest measurement."""
+        return any(self._decided_round.get(name) != self.round for name in names)
+
+    def decide_bucket(self, bucket: int, names: list[str], numel: int, step: int) -> str:
+        """Decide the codec of bucket `bucket`'s auto-ruled tensors (`names`, `numel` elements in
+        all) from the latest measurement; records, logs and returns it. The same measurement gives
+        the same codec on every rank."""
+        m = self.measurement
+        if m is None:
+            raise RuntimeError("compression auto: decide_bucket before any measurement")
+        codec, predicted = choose_codec(numel, m.world_size, m.link, m.speeds, self.chunk_size)
+        previous = self.decisions.get(bucket, {}).get("codec")
+        for name in names:
+            self.choices[name] = codec
+            self._decided_round[name] = self.round
+        record = {"step": step, "bucket": bucket, "tensors": len(names), "numel": numel, "codec": codec,
+                  "predicted_s": predicted}
+        self.decisions[bucket] = record
+        self.new_decisions.append(record)
+        line = (f"compression auto: bucket {bucket} ({len(names)} tensors, {numel:,} elements) -> {codec} "
+                f"(predicted {', '.join(f'{c} {_ms(t)}' for c, t in predicted.items())}; step {step})")
+        if self.announce and codec != previous:
+            say(line)
+        else:
+            log.debug(line)
         return codec
 
-    def decide_collectively(self, named_tensors: Iterable[tuple[str, torch.Tensor]], group=None) -> dict[str, str]:
-        """Make the due auto decisions for `named_tensors` (each rank's local gradients or
-        momenta, in the same order on every rank) from statistics averaged over `group`: one
-        allreduce of the due statistics, then `decide` with the same numbers on every rank.
-        For callers outside the DDP hook (e.g. an optimizer that runs its own compressed
-        allreduce); never use `codec_for(..., grad=...)` under "auto" on several ranks, its
-        local choice can differ between ranks and the collectives would then not match.
-        A non-finite statistic on any rank skips that decision (the previous choice stays).
-        Returns the decisions made (name -> codec)."""
-        import torch.distributed as dist
+    def report(self) -> dict:
+        """The measurements and each bucket's latest decision, for the run summary."""
+        return {"auto_interval": self.auto_interval, "measurements": list(self.measurements),
+                "decisions": [self.decisions[b] for b in sorted(self.decisions)]}
 
-        due = [(name, t) for name, t in named_tensors if self.rule(name, t.numel()) == "auto" and self.due(name)]
-        if not due:
-            return {}
-        stats = torch.tensor([concentration(t) for _, t in due], dtype=torch.float64, device=due[0][1].device)
-        ws = 1
-        if dist.is_available() and dist.is_initialized():
-            ws = dist.get_world_size(group)
-            if ws > 1:
-                dist.all_reduce(stats, group=group)
-        out = {}
-        for (name, _), total in zip(due, stats.tolist()):
-            if not math.isnan(total):
-                out[name] = self.decide(name, total / ws)
+    def take_new(self) -> tuple[dict | None, list[dict]]:
+        """The measurement and decisions made since the last call (for this step's record)."""
+        out = (self.new_measurement, self.new_decisions)
+        self.new_measurement, self.new_decisions = None, []
         return out
-
-    def advance(self, name: str) -> None:
-        """One more completed step for `name` (the hook calls it after each exchanged step)."""
-        self.steps[name] = self.steps.get(name, 0) + 1
 
     # --- codecs and state --------------------------------------------------------------------
 
@@ -199,19 +225,17 @@ class CompressionPolicy:
         return self._codecs[name]
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "grad": self.grad, "choices": dict(self.choices),
-                "statistics": dict(self.statistics), "steps": dict(self.steps),
-                "decided_at": dict(self.decided_at)}
+        return {"format": STATE_FORMAT, "grad": self.grad, "choices": dict(self.choices)}
 
     def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        """The choices (also from the older per-tensor format); the next step measures and decides
+        every bucket again."""
+        if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, *OLD_STATE_FORMATS):
             raise ValueError(f"compression policy: not a policy state dict (expected format {STATE_FORMAT!r})")
         self.choices = dict(state.get("choices", {}))
-        self.statistics = {k: float(v) for k, v in state.get("statistics", {}).items()}
-        self.steps = {k: int(v) for k, v in state.get("steps", {}).items()}
-        self.decided_at = {k: int(v) for k, v in state.get("decided_at", {}).items()}
+        self.measurement = None
+        self._decided_round = {}
 
     def __repr__(self) -> str:
         return (f"CompressionPolicy(grad={self.grad!r}, keep_fp16={self.keep_fp16!r}, min_numel={self.min_numel}, "
-                f"chunk_size={self.chunk_size}, auto_interval={self.auto_interval}, "
-                f"auto_threshold={self.auto_threshold}, onebit_scale={self.onebit_scale!r})")
+                f"chunk_size={self.chunk_size}, auto_interval={self.auto_interval}, onebit_scale={self.onebit_scale!r})")

@@ -53,7 +53,7 @@ CODEC_ORDER = ("none", "fp16", "2bit", "1bit")  # weaker -> stronger compression
 
 def codec_is_live(mode: str, codec: str, optimizer: str = "adamw") -> bool:
     """Whether a run can change its gradient codec while it trains: only the compressed hook of
-    allreduce_compressed regroups per step, and `auto` already chooses per tensor. (With
+    allreduce_compressed regroups per step, and `auto` already chooses per bucket. (With
     rapidfire_adamw, allreduce_compressed means its momentum exchange: the codec is fixed.)"""
     return mode == "allreduce_compressed" and codec != "auto" and optimizer != "rapidfire_adamw"
 

@@ -26,6 +26,7 @@ from rapidfire_ray.exchange import (
     compressed_allreduce_hook,
 )
 from rapidfire_ray.compression import get_codec
+from rapidfire_ray.exchange.auto import _agreed_max, measure
 
 N = 100_003
 STEPS = 3
@@ -221,26 +222,33 @@ class _EmbeddingModel(nn.Module):
 
 
 def _auto(rank: int) -> dict:
-    """grad: auto, decided every 2 steps from statistics that differ per rank."""
+    """grad: auto on 2 real gloo ranks, measured and decided every 2 steps; the agreement primitives."""
     module = _EmbeddingModel()
     policy = CompressionPolicy("auto", auto_interval=2)
-    model, _ = _ddp(module, policy, bucket_cap_mb=25)
+    model, state = _ddp(module, policy, bucket_cap_mb=25)
     g = torch.Generator().manual_seed(50 + rank)
     seen = []
     for _ in range(5):
         model.zero_grad()
         tokens = torch.randint(0, 2000, (4, 3), generator=g)
         model(tokens).square().mean().backward()
-        seen.append((dict(policy.choices), dict(policy.statistics)))
-    # outside the hook: rank 0's tensor is dense, rank 1's concentrated; the mean decides for both
-    other = CompressionPolicy("auto")
-    t = torch.randn(10_000, generator=torch.Generator().manual_seed(7))
-    if rank == 1:
-        t = torch.zeros(10_000)
-        t[:10] = 1000.0
-    collective = other.decide_collectively([("w", t), ("x.bias", t)])
-    return {"seen": seen, "grads": _grads(module), "state": policy.state_dict(),
-            "collective": (collective, dict(other.statistics))}
+        seen.append((dict(policy.choices), policy.round, policy.measured_at))
+    cpu = torch.device("cpu")
+    # every rank's own numbers differ; each gets the largest of each
+    agreed = _agreed_max([float(rank), 10.0 - rank], None, cpu)
+    # measure() alone, with small probes: its codec timings differ per rank before agreement
+    alone = measure({c: policy.codec(c) for c in ("none", "fp16", "1bit")}, cpu, None, elements=4096,
+                    max_link_bytes=64 * 1024)
+    checks = {}
+    for label, codec in (("same", "fp16"), ("different", "none" if rank == 0 else "1bit")):
+        try:
+            state._check_agreed(codec, 7, 2, cpu)
+            checks[label] = None
+        except RuntimeError as e:
+            checks[label] = str(e)
+    return {"seen": seen, "grads": _grads(module), "report": policy.report(), "agreed": agreed,
+            "alone": alone.to_dict(), "checks": checks, "steps": state.step,
+            "auto_names": sorted(n for n, p in module.named_parameters() if policy.rule(n, p.numel()) == "auto")}
 
 
 def ddp_scenario(rank: int, world_size: int) -> dict:

@@ -1,5 +1,5 @@
 """The DDP communication hook: on a 2-process gloo DDP model (parity with plain DDP, training
-with 1bit, non-finite gradients on one rank, grad: auto agreed across ranks) and, in one
+with 1bit, non-finite gradients on one rank, grad: auto measured and agreed across ranks) and, in one
 process, on hand-made buckets (slots, migration of error feedback, state dicts)."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from rapidfire_ray.exchange import (
     compressed_allreduce_hook,
     layout,
 )
+from rapidfire_ray.exchange.auto import CodecSpeed, LinkRate, choose_codec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,21 +81,46 @@ def test_nonfinite_on_one_rank_zeroes_the_bucket_everywhere(group2):
             assert torch.equal(g, ranks[1]["steps"][step]["grads"][name])
 
 
-def test_auto_choices_are_agreed_across_ranks(group2):
+def test_auto_measures_the_link_and_every_rank_makes_the_same_choice(group2):
     ranks = ddp(group2, "auto")
-    for step in range(5):
-        assert ranks[0]["seen"][step] == ranks[1]["seen"][step]
-    choices, stats = ranks[0]["seen"][-1]
-    # embedding rows of a few tokens: all the mass in far under 1% of entries
-    assert choices == {"embed.weight": "2bit", "proj.weight": "1bit"}
-    assert stats["embed.weight"] > 0.9 and stats["proj.weight"] < 0.3
-    assert ranks[0]["state"]["decided_at"] == {"embed.weight": 4, "proj.weight": 4}  # steps 0, 2, 4
-    for name, g in ranks[0]["grads"].items():
-        assert torch.equal(g, ranks[1]["grads"][name])
-    # CompressionPolicy.decide_collectively: statistics ~0.09 and ~1.0 average to ~0.54 -> 2bit on both
-    assert ranks[0]["collective"] == ranks[1]["collective"]
-    decided, stats = ranks[0]["collective"]
-    assert decided == {"w": "2bit"} and 0.5 < stats["w"] < 0.6  # x.bias: kept in fp16, not measured
+    r0, r1 = ranks
+    assert r0["seen"] == r1["seen"] and r0["steps"] == 5
+    # measured (and every bucket decided) at steps 0, 2 and 4: auto_interval 2
+    assert [round_ for _, round_, _ in r0["seen"]] == [1, 1, 2, 2, 3]
+    assert [m["step"] for m in r0["report"]["measurements"]] == [0, 2, 4]
+    # the agreed numbers are the same on both ranks, down to the last bit (measure_s: each rank's own time)
+    def agreed(m):
+        return {k: v for k, v in m.items() if k != "measure_s"}
+
+    assert r0["report"]["decisions"] == r1["report"]["decisions"]
+    assert [agreed(m) for m in r0["report"]["measurements"]] == [agreed(m) for m in r1["report"]["measurements"]]
+    assert agreed(r0["alone"]) == agreed(r1["alone"])
+    for m in r0["report"]["measurements"] + [r0["alone"]]:
+        link = m["link"]
+        assert m["world_size"] == 2 and all(0 < v < float("inf") for v in link.values())
+        assert all(s["roundtrip_s"] > 0 for s in m["speeds"].values())
+    probe = r0["alone"]["probe"]
+    assert 16 * 1024 <= probe["allreduce_bytes"] <= 64 * 1024 and probe["exchange_chunk_bytes"] <= 32 * 1024
+    # each decision is choose_codec of the agreed numbers, over all four codecs
+    decisions = r0["report"]["decisions"]
+    assert decisions and all(d["step"] == 4 for d in decisions)
+    measured = r0["report"]["measurements"][-1]
+    link = LinkRate(**measured["link"])
+    speeds = {c: CodecSpeed(**s) for c, s in measured["speeds"].items()}
+    assert sorted(speeds) == ["1bit", "2bit", "fp16", "none"]
+    for d in decisions:
+        assert choose_codec(d["numel"], 2, link, speeds) == (d["codec"], d["predicted_s"])
+    choices, _, _ = r0["seen"][-1]
+    assert sorted(choices) == r0["auto_names"] == ["embed.weight", "proj.weight"]  # the kept ones never decided
+    assert sum(d["numel"] for d in decisions) == 2000 * 16 + 16 * 512
+    for name, g in r0["grads"].items():
+        assert torch.equal(g, r1["grads"][name])
+    # the agreement primitives: the largest of each number, on every rank; a disagreement stops
+    # both ranks with the same error instead of hanging in mismatched collectives
+    assert r0["agreed"] == r1["agreed"] == [1.0, 10.0]
+    for r in ranks:
+        assert r["checks"]["same"] is None
+        assert "chose different codecs for bucket 7 (none .. 1bit)" in r["checks"]["different"]
 
 
 # --- one process, hand-made buckets ----------------------------------------------------------------

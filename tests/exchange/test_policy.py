@@ -1,7 +1,6 @@
-"""CompressionPolicy: keep_fp16 patterns, the size rule, global modes, and grad: auto."""
+"""CompressionPolicy: keep_fp16 patterns, the size rule, global modes, the concentration statistic
+(auto's decisions: test_auto.py)."""
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -75,22 +74,6 @@ def test_codec_objects_use_the_chunk_size_and_scale():
         CompressionPolicy("1bit", onebit_scale="max")
 
 
-def test_decide_collectively_in_one_process():
-    policy = CompressionPolicy("auto", auto_interval=2)
-    concentrated = torch.zeros(10_000)
-    concentrated[:5] = 1.0
-    dense = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
-    bad = dense.clone()
-    bad[0] = float("nan")
-    named = [("a", concentrated), ("b", dense), ("c", bad), ("a.bias", dense)]
-    assert policy.decide_collectively(named) == {"a": "2bit", "b": "1bit"}
-    assert "c" not in policy.choices and "a.bias" not in policy.choices
-    assert policy.decide_collectively(named) == {}  # c is still due but non-finite
-    policy.advance("a")
-    policy.advance("a")
-    assert policy.decide_collectively([("a", dense)]) == {"a": "1bit"}
-
-
 def test_concentration_statistic():
     g = torch.Generator().manual_seed(0)
     dense = torch.randn(100_000, generator=g)
@@ -104,44 +87,3 @@ def test_concentration_statistic():
     assert concentration(torch.zeros(10)) == 0.0 and concentration(torch.empty(0)) == 0.0
     assert concentration(torch.tensor([1.0, float("nan")])) != concentration(torch.tensor([1.0, float("nan")]))
     assert concentration(torch.tensor([3e38] + [1.0] * 99)) == pytest.approx(1.0)  # no overflow
-
-
-def test_auto_picks_2bit_for_concentrated_and_1bit_for_dense(caplog):
-    g = torch.Generator().manual_seed(1)
-    policy = CompressionPolicy("auto", auto_interval=3)
-    dense = torch.randn(10_000, generator=g)
-    concentrated = torch.zeros(10_000)
-    concentrated[:20] = 5.0
-    p = torch.empty(10_000)
-    with caplog.at_level(logging.INFO, logger="rapidfire_ray.exchange.policy"):
-        assert policy.codec_for("dense.weight", p, grad=dense) == "1bit"
-        assert policy.codec_for("embed.weight", p, grad=concentrated) == "2bit"
-    assert policy.choices == {"dense.weight": "1bit", "embed.weight": "2bit"}
-    assert policy.statistics["embed.weight"] == pytest.approx(1.0)
-    assert "embed.weight -> 2bit" in caplog.text
-    # kept tensors are fp16 under auto too, and never measured
-    assert policy.codec_for("model.norm.weight", p, grad=concentrated) == "fp16"
-    assert "model.norm.weight" not in policy.choices
-    # no gradient yet: 1bit, and nothing recorded
-    assert policy.codec_for("other.weight", p) == "1bit" and "other.weight" not in policy.choices
-
-
-def test_auto_re_decides_every_interval():
-    policy = CompressionPolicy("auto", auto_interval=3)
-    p = torch.empty(10_000)
-    concentrated = torch.zeros(10_000)
-    concentrated[:20] = 5.0
-    dense = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
-    assert policy.codec_for("w", p, grad=dense) == "1bit"
-    for step in range(1, 7):
-        policy.advance("w")
-        # a changed gradient is only looked at on steps 3 and 6
-        got = policy.codec_for("w", p, grad=concentrated if step < 6 else dense)
-        assert got == ("1bit" if step < 3 else "2bit" if step < 6 else "1bit"), step
-    assert policy.decided_at["w"] == 6
-    state = policy.state_dict()
-    fresh = CompressionPolicy("auto", auto_interval=3)
-    fresh.load_state_dict(state)
-    assert fresh.state_dict() == state
-    with pytest.raises(ValueError):
-        fresh.load_state_dict({"choices": {}})
