@@ -155,7 +155,7 @@ def dumps(state: dict) -> bytes:
 
 
 def loads(data: bytes) -> dict:
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return torch.load(io.BytesIO(data), weights_only=True)  # our own state: tensors, numbers, dicts; never unpickle
 
 
 def write_state(path: str, data: bytes) -> None:
