@@ -283,7 +283,7 @@ def live(ray_cluster, tmp_path_factory):
         except BaseException as e:  # handed to the tests
             result["error"] = e
 
-    os.environ["RAPIDFIRE_DATA_DELAY_S"] = "0.25"
+    os.environ["RAPIDFIRE_DATA_DELAY_S"] = "0.5"  # a run long enough for several scrapes
     thread = threading.Thread(target=go, daemon=True)
     try:
         thread.start()
@@ -298,18 +298,27 @@ def live(ray_cluster, tmp_path_factory):
             except (ValueError, ray.exceptions.RayActorError):
                 pass
             time.sleep(0.5)
+        # Every series seen while the run trains, scraped from now on beside the monitor calls (a gauge
+        # leaves the endpoint with its worker process: scrapes taken after the run miss it).
+        samples: dict = {}
+
+        def scrape():
+            while time.time() < deadline and not EXPECTED <= set(samples):
+                try:
+                    samples.update(_samples(_scrape()))
+                except OSError:
+                    pass
+                if not thread.is_alive():
+                    break
+                time.sleep(1)
+
+        scraper = threading.Thread(target=scrape, daemon=True)
+        scraper.start()
         address = ray.get_runtime_context().gcs_address
         result["monitor"] = _monitor("--address", address, "--run", RUN, "--once", "--json")
         result["monitor_all"] = _monitor("--address", address, "--once", "--metrics", "throughput,comm_latency")
-        # Every series seen while the run trains (a gauge leaves the endpoint with its worker process,
-        # so a scrape taken as the run ends may miss what earlier scrapes had).
-        samples: dict = {}
-        while time.time() < deadline:
-            samples.update(_samples(_scrape()))
-            if EXPECTED <= set(samples):
-                break
-            time.sleep(1)
-        result["samples"] = samples
+        scraper.join(timeout=max(1.0, deadline - time.time()))
+        result["samples"] = dict(samples)
         thread.join(timeout=600)
     finally:
         os.environ.pop("RAPIDFIRE_DATA_DELAY_S", None)
