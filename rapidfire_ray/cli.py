@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import RapidfireError, RunFailed
+from .errors import run_command
 
 
 REFERENCE_HEADER = """# Configuration reference
@@ -80,44 +80,39 @@ def main(argv: list[str] | None = None) -> int:
         return experiment_main(argv[1:])
     # Overrides and flags in any order: `train --profile P a=1 --resume b=2`.
     args = _parse(argv)
-    try:
-        from .config import load_config, to_yaml
+    return run_command(lambda: _command(args, argv))
 
-        if args.command == "config" and args.reference:
-            from .config.schema import reference_markdown
 
-            print(REFERENCE_HEADER + reference_markdown(), end="")
-            return 0
+def _command(args: argparse.Namespace, argv: list[str]) -> int:
+    """`train` or `config`."""
+    from .config import load_config, to_yaml
 
-        overrides = list(args.overrides)
-        flags = {"communication": "communication.mode", "memory_optim": "memory.optim_level",
-                 "precision": "train.precision", "adjust_parameters": "monitor.adjust"}
-        overrides += [f"{key}={getattr(args, flag)}" for flag, key in flags.items() if getattr(args, flag, None)]
-        if getattr(args, "hybrid_parallel", False):
-            overrides.append("scaling.hybrid_parallel=true")
-        cfg = load_config(args.profile, overrides)
-        if args.command == "config" or args.dry_run:
-            print(to_yaml(cfg), end="")
-            return 0
-        _check_fits(cfg, args.address)  # before Ray, torch and transformers are even imported
-        from .log import set_verbose
+    if args.command == "config" and args.reference:
+        from .config.schema import reference_markdown
 
-        set_verbose(args.verbose)
-        from .driver import failure, run, run_pipeline
-
-        failure.set_command(argv)
-
-        (run_pipeline if cfg.train.stage == "pipeline" else run)(cfg, address=args.address, resume=args.resume)
+        print(REFERENCE_HEADER + reference_markdown(), end="")
         return 0
-    except RapidfireError as e:
-        print(f"rapidfire: error: {e}", file=sys.stderr)
-        return 2
-    except RunFailed as e:
-        print(f"rapidfire: {e}", file=sys.stderr)
-        return 130 if type(e).__name__ == "RunInterrupted" else 1
-    except KeyboardInterrupt:
-        print("rapidfire: interrupted", file=sys.stderr)
-        return 130
+
+    overrides = list(args.overrides)
+    flags = {"communication": "communication.mode", "memory_optim": "memory.optim_level",
+             "precision": "train.precision", "adjust_parameters": "monitor.adjust"}
+    overrides += [f"{key}={getattr(args, flag)}" for flag, key in flags.items() if getattr(args, flag, None)]
+    if getattr(args, "hybrid_parallel", False):
+        overrides.append("scaling.hybrid_parallel=true")
+    cfg = load_config(args.profile, overrides)
+    if args.command == "config" or args.dry_run:
+        print(to_yaml(cfg), end="")
+        return 0
+    _check_fits(cfg, args.address)  # before Ray, torch and transformers are even imported
+    from .log import set_verbose
+
+    set_verbose(args.verbose)
+    from .driver import failure, run, run_pipeline
+
+    failure.set_command(argv)
+
+    (run_pipeline if cfg.train.stage == "pipeline" else run)(cfg, address=args.address, resume=args.resume)
+    return 0
 
 
 def _check_fits(cfg, address: str | None) -> None:

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from ..errors import RapidfireError, RunFailed
+from ..errors import RapidfireError, run_command
 
 USAGE = """rapidfire experiment --profile P [--address A] [--resume] [--verbose] [key=value ...]
        rapidfire experiment status (--profile P | DIR) [--json]
@@ -54,21 +54,14 @@ def connect_to(address: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    try:
+    def command() -> int:
         if argv and argv[0] == "status":
             return _status(_status_parser().parse_args(argv[1:]))
         if argv and argv[0] == "ctl":
             return _ctl(_ctl_parser().parse_intermixed_args(argv[1:]))
         return _run(_run_parser().parse_intermixed_args(argv), argv)
-    except RapidfireError as e:
-        print(f"rapidfire: error: {e}", file=sys.stderr)
-        return 2
-    except RunFailed as e:
-        print(f"rapidfire: {e}", file=sys.stderr)
-        return 130 if type(e).__name__ == "RunInterrupted" else 1
-    except KeyboardInterrupt:
-        print("rapidfire: interrupted", file=sys.stderr)
-        return 130
+
+    return run_command(command)
 
 
 def _run(args, argv) -> int:
