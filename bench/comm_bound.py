@@ -95,6 +95,10 @@ VARIANTS = {
     "allreduce": ("allreduce", "1bit", {}),
     "compressed_1bit": ("allreduce_compressed", "1bit",
                         {"communication.mode": "allreduce_compressed", "optimizer.params.compression.grad": "1bit"}),
+    # the same without overlapping the exchange with backward (communication.overlap: false)
+    "compressed_1bit_sync": ("allreduce_compressed", "1bit",
+                             {"communication.mode": "allreduce_compressed", "optimizer.params.compression.grad": "1bit",
+                              "communication.overlap": "false"}),
     "compressed_1bit_pure": ("allreduce_compressed", "1bit",
                              {"communication.mode": "allreduce_compressed", "optimizer.params.compression.grad": "1bit",
                               "optimizer.params.compression.keep_fp16": "[]",
@@ -391,6 +395,8 @@ def measure(run: dict, warmup: int, freeze: int | None = None) -> dict:
             "bytes_sent": statistics.mean(r.get("bytes_sent", 0) for r in rs),
             "fp32_bytes": statistics.mean(r.get("bytes_sent", 0) * r.get("compression_ratio", 1.0) for r in rs),
             "comm_calls": statistics.mean(r.get("comm_calls", 0) for r in rs),
+            # in flight, hidden part included (comm_s is the exposed part)
+            "in_flight_s": statistics.mean(r.get("comm_in_flight_s", p["communication"]) for r, p in zip(rs, ph)),
         })
 
     def stats(rows: list[dict]) -> dict | None:
@@ -398,6 +404,7 @@ def measure(run: dict, warmup: int, freeze: int | None = None) -> dict:
             return None
         step = statistics.mean(r["step_s"] for r in rows)
         comm = statistics.mean(r["comm_s"] for r in rows)
+        in_flight = statistics.mean(r["in_flight_s"] for r in rows)
         sent = statistics.mean(r["bytes_sent"] for r in rows)
         fp32 = statistics.mean(r["fp32_bytes"] for r in rows)
         return {"steps": len(rows), "step_s": round(step, 4), "step_median_s": round(statistics.median(r["step_s"] for r in rows), 4),
@@ -407,7 +414,9 @@ def measure(run: dict, warmup: int, freeze: int | None = None) -> dict:
                 "non_comm_s": round(step - comm, 4), "comm_share": round(comm / step, 4),
                 "data_wait_share": round(statistics.mean(r["data_wait_s"] for r in rows) / step, 4),
                 "bytes_sent_per_step": round(sent), "compression_ratio": round(fp32 / sent, 3) if sent else None,
-                "comm_calls_per_step": round(statistics.mean(r["comm_calls"] for r in rows), 2)}
+                "comm_calls_per_step": round(statistics.mean(r["comm_calls"] for r in rows), 2),
+                "in_flight_s": round(in_flight, 4),
+                "hidden_share": round(max(0.0, 1 - comm / in_flight), 4) if in_flight else None}
 
     measured = [r for r in per_step if r["step"] > warmup]
     out = {"measured": stats(measured)}
@@ -573,7 +582,8 @@ def run_node_count(args, nodes: int, steps: int, variants: list[str], params: in
             mm = m["measured"]
             if v == "compressed_auto":
                 m["auto_codecs"] = auto_codecs(run)
-            say(f"  step {mm['step_s']:.3f} s (exchange {mm['comm_s']:.3f} s, {mm['comm_share']:.1%}), "
+            hidden = f", {mm['hidden_share']:.0%} of {mm['in_flight_s']:.3f} s in flight hidden" if mm["hidden_share"] else ""
+            say(f"  step {mm['step_s']:.3f} s (exchange {mm['comm_s']:.3f} s, {mm['comm_share']:.1%}{hidden}), "
                 f"{mm['bytes_sent_per_step']} B/step sent (ratio {mm['compression_ratio']}), final loss "
                 f"{m['final_loss']}, workers per namespace {run['train_workers_per_namespace']}, wall {run['wall_s']} s, "
                 f"other CPU load {run['foreign_cpu']['cores_busy']} cores")

@@ -344,6 +344,9 @@ class CommunicationSection:
                       choices=("allreduce", "allreduce_compressed", "parameter_server"))
     on_nonfinite: str = field("skip", "a NaN/inf gradient: skip the step on every worker (counted, named), or fail",
                               choices=("skip", "fail"))
+    overlap: bool = field(True, "allreduce_compressed: encode and send each gradient bucket on a thread of its own "
+                                "(CUDA: a side stream) while backward computes the next ones; false: in the "
+                                "backward thread, one bucket at a time")
     ps: ParameterServerSection = section(ParameterServerSection)
 
 

@@ -113,10 +113,14 @@ def communication_summary(steps: list[dict]) -> dict | None:
     """Bytes each worker sent and received per step (mean over steps and ranks, as counted by the
     code that sends them), the compression ratio against a float32 allreduce of the same
     gradients, communication-call latency percentiles (median of the per-step p50s, highest
-    per-step p99) and the steps skipped for non-finite gradients."""
+    per-step p99), the steps skipped for non-finite gradients, and the share of the exchange's
+    in-flight time hidden behind compute (1 - exposed communication phase / in flight)."""
     counted = [r for r in steps if "bytes_sent" in r]
     if not counted:
         return None
+    timed = [r for r in counted if r.get("comm_in_flight_s")]
+    in_flight = sum(r["comm_in_flight_s"] for r in timed)
+    exposed = sum(r["phases"]["communication"] for r in timed)
     sent = sum(r["bytes_sent"] for r in counted)
     fp32 = sum(r["bytes_sent"] * r["compression_ratio"] for r in counted)
     p50s = sorted(r["comm_latency_p50_s"] for r in counted if r["comm_calls"])
@@ -127,6 +131,8 @@ def communication_summary(steps: list[dict]) -> dict | None:
         "comm_latency_p50_s": round(p50s[len(p50s) // 2], 6) if p50s else None,
         "comm_latency_p99_s": round(max(r["comm_latency_p99_s"] for r in counted), 6) if p50s else None,
         "skipped_steps": max(r["skipped_steps"] for r in counted),
+        "in_flight_s_per_step": round(in_flight / len(timed), 6) if timed else None,
+        "hidden_share": round(max(0.0, 1 - exposed / in_flight), 4) if in_flight else None,
     }
 
 

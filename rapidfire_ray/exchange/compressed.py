@@ -1,10 +1,14 @@
 """`communication.mode: allreduce_compressed`: `compressed_allreduce_hook` (hook.py) with the
 per-parameter codec policy of `optimizer.params.compression.*`. A NaN/inf gradient zeroes the
 bucket on every rank and names the parameters; the optimizer step is then skipped everywhere.
-The codec is a live knob (`set_codec`, except under `auto`, which chooses per bucket from the measured link and codecs)."""
+The codec is a live knob (`set_codec`, except under `auto`, which chooses per bucket from the measured link and codecs).
+With `overlap` (`communication.overlap`, the default) each bucket is encoded and sent on the
+hook's exchange thread while backward goes on, over a process group of its own (hook.py)."""
 from __future__ import annotations
 
 from collections import Counter
+
+import torch.distributed as dist
 
 from ..log import say
 from ..telemetry.rules import codec_is_live
@@ -16,9 +20,11 @@ from .policy import CompressionPolicy
 class CompressedExchange(GradientExchange):
     state_key = "hook"
 
-    def __init__(self, compression: dict, *, rank: int, on_nonfinite: str = "skip", timer=None):
+    def __init__(self, compression: dict, *, rank: int, on_nonfinite: str = "skip", timer=None,
+                 overlap: bool = True):
         super().__init__(rank=rank, on_nonfinite=on_nonfinite, timer=timer)
         self.compression = dict(compression)
+        self.overlap = overlap
         self.hook_state: HookState | None = None
         self._auto_counts: dict | None = None
 
@@ -26,7 +32,12 @@ class CompressedExchange(GradientExchange):
         c = self.compression
         policy = CompressionPolicy(c["grad"], keep_fp16=list(c["keep_fp16"]), min_numel=c["min_numel"],
                                    chunk_size=c["chunk_size"], auto_interval=c["auto_interval"])
-        self.hook_state = HookState(ddp_model.module.named_parameters(), policy, stats=self.stats, timer=self.timer)
+        group = None
+        if self.overlap and dist.is_available() and dist.is_initialized():
+            # every rank registers at the same point of its first step: the group is created alike
+            group = dist.new_group(ranks=list(range(dist.get_world_size())))
+        self.hook_state = HookState(ddp_model.module.named_parameters(), policy, stats=self.stats, timer=self.timer,
+                                    group=group, overlap=self.overlap)
         self._part_built()  # a state loaded before the first step
         ddp_model.register_comm_hook(self.hook_state, compressed_allreduce_hook)
 
@@ -68,6 +79,8 @@ class CompressedExchange(GradientExchange):
 
     def finish(self) -> dict | None:
         """Under auto: the measurements and each bucket's latest decision (run summary)."""
+        if self.hook_state is not None:
+            self.hook_state.close()
         if self.hook_state is None or self.hook_state.policy.grad != "auto":
             return None
         return {"auto": self.hook_state.policy.report()}

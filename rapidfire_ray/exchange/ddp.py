@@ -22,6 +22,8 @@ def counted_allreduce_hook(exchange: DdpExchange, bucket):  # no annotations: DD
     exchange.stats.add_bytes(wire, wire, fp32)
     buffer.div_(world)
     fut = dist.all_reduce(buffer, async_op=True).get_future()
+    if exchange.timer is not None:
+        exchange.timer.comm_call(start, time.perf_counter())
 
     def done(f):
         end = time.perf_counter()

@@ -25,7 +25,8 @@ def build_exchange(communication: dict, optimizer: dict, *, rank: int, total_ste
     if communication["mode"] == "allreduce_compressed":
         from .compressed import CompressedExchange
 
-        return CompressedExchange(compression, rank=rank, on_nonfinite=on_nonfinite, timer=timer)
+        return CompressedExchange(compression, rank=rank, on_nonfinite=on_nonfinite, timer=timer,
+                                  overlap=communication.get("overlap", True))
     from .ddp import DdpExchange
 
     return DdpExchange(rank=rank, on_nonfinite=on_nonfinite, timer=timer)

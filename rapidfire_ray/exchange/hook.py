@@ -7,6 +7,15 @@
         ...skip the step (the bucket gradients are already zero on every rank); state.nonfinite.clear()
     metrics.update(state.stats.take())
 
+With `overlap` (the default, `communication.overlap`), the hook hands each bucket to one
+exchange thread of its own and returns at once, so the backward pass goes on computing the next
+buckets while this one is encoded and sent: buckets are processed one at a time in the order DDP
+hands them over (the same on every rank), over a process group of their own (no interleaving
+with collectives of the training thread), on CUDA on a side stream that first waits for the
+backward pass's writes to the bucket. DDP waits for every bucket's future at the end of backward,
+so `nonfinite` and the stats are complete when the optimizer step reads them. The results are the
+same as without overlap, bit for bit.
+
 Per bucket: one small agreement allreduce (NaN/inf anywhere), then the parameters grouped by codec (`policy`): none and fp16 as plain
 allreduces, 1bit/2bit through `compressed_allreduce` with one error-feedback slot per group
 composition. Under `auto`, the first bucket of the first step and of every `auto_interval`-th
@@ -15,6 +24,8 @@ bucket), then each bucket is decided again and the ranks check they chose alike.
 slots follow DDP's bucket rebuilds, and how bytes are counted: docs/exchange.md.
 """
 import logging
+import queue
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -60,13 +71,18 @@ class HookState:
     `nonfinite`: parameter names whose gradient was NaN/inf on some rank, appended by the hook
     (the same list on every rank); the trainer reads it after backward, skips the optimizer
     step if it is not empty, and clears it. `skipped_buckets` counts zeroed buckets.
-    `timer`: optional object with `comm_interval(start, end)` (telemetry's StepTimer), told
-    each bucket's interval."""
+    `timer`: optional object with `comm_interval(start, end)` and `comm_call(start, end)`
+    (telemetry's StepTimer), told each bucket's in-flight interval and, with `overlap`, the
+    interval the hook held the backward thread. `overlap`: process buckets on the exchange
+    thread (module docstring); `group` should then be a process group of the exchange's own."""
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], policy: CompressionPolicy,
-                 group=None, stats: CommStats | None = None, timer=None):
+                 group=None, stats: CommStats | None = None, timer=None, overlap: bool = False):
         self.policy = policy
         self.group = group
+        self.overlap = overlap
+        self._worker: _ExchangeThread | None = None
+        self._streams: dict = {}  # CUDA device -> the exchange's side stream
         self.stats = stats if stats is not None else CommStats()
         self.timer = timer
         self.nonfinite: list[str] = []
@@ -183,12 +199,72 @@ class HookState:
             nbytes = 2 * (ws - 1) * t.numel() * t.element_size() // ws
             self.stats.add_bytes(nbytes, nbytes, fp32_allreduce_bytes(fp32_numel, ws))
 
-    def _process(self, bucket, buffer: torch.Tensor) -> None:
+    def _job(self, bucket) -> "_Job":
+        """What the exchange needs of a DDP bucket, read while the hook runs (the GradBucket is
+        DDP's for the duration of the call only)."""
+        buffer = bucket.buffer()
+        return _Job(bucket.index(), bucket.is_last(), self._entries(bucket, buffer), buffer)
+
+    def _process(self, job: "_Job") -> None:
         try:
-            self._process_bucket(bucket, buffer)
+            self._process_bucket(job.index, job.entries, job.buffer)
         finally:
-            if self.policy.grad == "auto" and bucket.is_last():
+            if self.policy.grad == "auto" and job.is_last:
                 self.step += 1  # DDP calls the hook for every bucket of every synchronised backward
+
+    def _side_stream(self, device: torch.device):
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def submit(self, bucket) -> torch.futures.Future:
+        """Hand the bucket to the exchange thread; a future completed (or failed) there."""
+        start = time.perf_counter()
+        job = self._job(bucket)
+        buffer = job.buffer
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+            devices=[buffer.device] if buffer.is_cuda else None)
+        ready = None
+        if buffer.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()  # on the backward pass's stream: the bucket's gradients are written
+        if self._worker is None:
+            self._worker = _ExchangeThread()
+
+        def done() -> None:  # told before the future completes: the step may be taken right after
+            if self.timer is not None:
+                self.timer.comm_interval(start, time.perf_counter())
+
+        def work():
+            try:
+                if ready is None:
+                    with self.stats.timed(buffer.device):
+                        self._process(job)
+                    done()
+                    fut.set_result(buffer)
+                else:
+                    stream = self._side_stream(buffer.device)
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        with self.stats.timed(buffer.device):
+                            self._process(job)
+                        done()
+                        fut.set_result(buffer)  # records the side stream: DDP's wait syncs with it
+            except BaseException as e:  # noqa: BLE001 - raised by DDP's wait on the training thread
+                done()
+                fut.set_exception(e)
+
+        self._worker.submit(work)
+        if self.timer is not None:
+            self.timer.comm_call(start, time.perf_counter())
+        return fut
+
+    def close(self) -> None:
+        """Stop the exchange thread (after the last backward pass)."""
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
 
     def _measure(self, device: torch.device, ws: int, rank: int) -> None:
         """auto: time the link over this hook's group and the codecs on this device (agreed by all
@@ -213,10 +289,9 @@ class HookState:
                                f"({CODEC_ORDER[int(low)]} .. {CODEC_ORDER[int(high)]}); this is a bug, please report "
                                "it; set optimizer.params.compression.grad to a fixed codec meanwhile")
 
-    def _process_bucket(self, bucket, buffer: torch.Tensor) -> None:
+    def _process_bucket(self, index: int, entries: list[tuple[str, int, int]], buffer: torch.Tensor) -> None:
         ws, rank = _world(self.group)
         policy = self.policy
-        entries = self._entries(bucket, buffer)
         rules = [policy.rule(name, n) for name, _, n in entries]
         auto = [entries[i] for i, r in enumerate(rules) if r == "auto"]
         if auto and policy.measurement_due(self.step):
@@ -236,13 +311,13 @@ class HookState:
             self.skipped_buckets += 1
             buffer.zero_()
             log.warning("non-finite gradient in bucket %d (%s); bucket zeroed on every rank",
-                        bucket.index(), ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
+                        index, ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
             return
 
         if decide:
-            codec = policy.decide_bucket(bucket.index(), [name for name, _, _ in auto], sum(n for _, _, n in auto),
+            codec = policy.decide_bucket(index, [name for name, _, _ in auto], sum(n for _, _, n in auto),
                                          self.step)
-            self._check_agreed(codec, bucket.index(), ws, buffer.device)
+            self._check_agreed(codec, index, ws, buffer.device)
         codecs = [policy.choices.get(name, "none") if r == "auto" else r for (name, _, _), r in zip(entries, rules)]
 
         for codec in CODEC_ORDER:
@@ -290,12 +365,16 @@ def _scatter(buffer: torch.Tensor, spans: list[tuple[int, int]], flat: torch.Ten
 def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: `ddp_model.register_comm_hook(state, compressed_allreduce_hook)`.
     Averages the bucket per the policy (see the module docstring); returns a completed future
-    of the bucket buffer. (This module has no `from __future__ import annotations`: DDP checks
-    these annotations at runtime and rejects strings.)"""
-    buffer = bucket.buffer()
+    of the bucket buffer, or with `state.overlap` a future the exchange thread completes. (This
+    module has no `from __future__ import annotations`: DDP checks these annotations at runtime
+    and rejects strings.)"""
+    if state.overlap:
+        return state.submit(bucket)
+    job = state._job(bucket)
+    buffer = job.buffer
     start = time.perf_counter()
     with state.stats.timed(buffer.device):
-        state._process(bucket, buffer)
+        state._process(job)
     if state.timer is not None:
         state.timer.comm_interval(start, time.perf_counter())
     # A future holding CUDA tensors must name their devices (torch.futures.Future's contract),
@@ -304,3 +383,31 @@ def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torc
         devices=[buffer.device] if buffer.is_cuda else None)
     fut.set_result(buffer)
     return fut
+
+
+class _Job:
+    __slots__ = ("index", "is_last", "entries", "buffer")
+
+    def __init__(self, index: int, is_last: bool, entries: list[tuple[str, int, int]], buffer: torch.Tensor):
+        self.index, self.is_last, self.entries, self.buffer = index, is_last, entries, buffer
+
+
+class _ExchangeThread:
+    """One daemon thread running the submitted buckets in order (a stuck collective never holds
+    up the interpreter's exit, unlike a ThreadPoolExecutor's worker)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="rapidfire-exchange", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (work := self._queue.get()) is not None:
+            work()
+
+    def submit(self, work) -> None:
+        self._queue.put(work)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)

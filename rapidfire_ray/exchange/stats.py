@@ -89,7 +89,8 @@ class CommStats:
     def timed(self, device: torch.device | None = None):
         """Time the enclosed block as one call, unless it is nested in another timed block of
         this object on the same thread (then the outer block is the call). With a CUDA `device`
-        the device is synchronised before the clock stops."""
+        the current stream (the exchange's: the side stream of an overlapped hook) is
+        synchronised before the clock stops, not the whole device."""
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
         start = time.perf_counter()
@@ -99,7 +100,7 @@ class CommStats:
             self._local.depth = depth
             if depth == 0:
                 if device is not None and device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                    torch.cuda.current_stream(device).synchronize()
                 self.add_call(time.perf_counter() - start)
 
     def take(self) -> dict:

@@ -20,6 +20,10 @@ def exchange_counters(exchange, phases: dict) -> dict:
         moved = min(counters["comm_seconds"], phases[where])
         phases[where] -= moved
         phases["communication"] += moved
+    timer = getattr(exchange, "timer", None)
+    if timer is not None and "comm_seconds" in counters:
+        # in flight (hidden behind backward included); communication_summary's hidden share
+        counters["comm_in_flight_s"] = max(timer.comm_in_flight, phases["communication"])
     return counters
 
 

@@ -5,9 +5,16 @@ callbacks, a DDP communication hook). A phase's time excludes the phases nested 
 trainer's `training_step` holds its forward: backward is what is left), so phases never count
 twice. On CUDA the marks are CUDA events on the current stream, read once per step at `take()`
 (one wait for the step's last event instead of a device sync at every phase boundary), so GPU
-work is counted in the phase that launched it without stalling the launch queue. Gradient
-all-reduce overlaps the backward pass; the time any bucket was in flight counts as
-communication and is taken out of backward.
+work is counted in the phase that launched it without stalling the launch queue.
+
+Gradient exchange overlaps the backward pass. A DDP hook reports two intervals per bucket: the
+time it held the backward thread (`comm_call`: launching, or the whole exchange for a hook that
+works synchronously) and the time the bucket was in flight (`comm_interval`, until its result
+was ready). The `communication` phase is the exposed part: the union of the held intervals plus
+the wait after the last bucket was handed off (DDP waits for every bucket at the end of
+backward), taken out of backward. `comm_in_flight` is the union of the in-flight intervals, so
+`1 - communication / comm_in_flight` is the share of communication hidden behind compute. A hook
+that reports only in-flight intervals counts them as exposed.
 """
 from __future__ import annotations
 
@@ -42,10 +49,12 @@ class StepTimer:
         self._acc = dict.fromkeys(self.phases, 0.0)
         self._open: list[_Frame] = []
         self._spans: list[tuple[str, object, object, list]] = []  # closed phases, resolved at take()
-        self._comm: list[tuple[float, float]] = []
+        self._comm: list[tuple[float, float]] = []  # in flight, per bucket
+        self._calls: list[tuple[float, float]] = []  # the backward thread held, per bucket
         self._lock = threading.Lock()
         self._step_start = time.perf_counter()
         self._events = _cuda_active()  # CUDA events this step, host clock otherwise
+        self.comm_in_flight = 0.0  # the last taken step's exchange seconds in flight
 
     def _mark(self):
         if self._events:
@@ -83,8 +92,15 @@ class StepTimer:
         self._acc[name] += seconds
 
     def comm_interval(self, start: float, end: float) -> None:
+        """A bucket's exchange was in flight from `start` to `end` (host clock); any thread."""
         with self._lock:
             self._comm.append((start, end))
+
+    def comm_call(self, start: float, end: float) -> None:
+        """A hook held the backward thread from `start` to `end` for a bucket whose exchange goes
+        on after it returned (its in-flight interval comes through `comm_interval`)."""
+        with self._lock:
+            self._calls.append((start, end))
 
     def comm_seconds_since(self, t0: float) -> float:
         """Seconds of communication in flight since `t0` (a `time.perf_counter()` value), so far."""
@@ -92,10 +108,16 @@ class StepTimer:
             spans = sorted((max(s, t0), e) for s, e in self._comm if e > t0)
         return _union_length(spans)
 
-    def _comm_seconds(self) -> float:
+    def _comm_seconds(self) -> tuple[float, float]:
+        """(exposed, in flight) seconds of this step's exchange."""
         with self._lock:
             spans, self._comm = sorted(self._comm), []
-        return _union_length(spans)
+            calls, self._calls = sorted(self._calls), []
+        in_flight = _union_length(spans)
+        if not calls:
+            return in_flight, in_flight
+        tail = max(0.0, max(e for _, e in spans) - max(e for _, e in calls)) if spans else 0.0
+        return min(in_flight, _union_length(calls) + tail), in_flight
 
     def _resolve(self) -> None:
         spans, self._spans = self._spans, []
@@ -106,15 +128,18 @@ class StepTimer:
             self._acc[name] += max(0.0, self._elapsed(start, stop) - inner)
 
     def take(self) -> dict[str, float]:
-        """Seconds per phase for the step that just ended, plus `step` (wall) and `other`."""
+        """Seconds per phase for the step that just ended, plus `step` (wall) and `other`. The
+        exchange's in-flight seconds of that step (hidden part included) are left in
+        `self.comm_in_flight`."""
         self._resolve()
         now = time.perf_counter()
         out = dict(self._acc)
-        comm = self._comm_seconds()
+        comm, in_flight = self._comm_seconds()
         out["communication"] += comm
         out["backward"] = max(0.0, out["backward"] - comm)
         out["step"] = now - self._step_start
         out["other"] = max(0.0, out["step"] - sum(out[p] for p in self.phases))
+        self.comm_in_flight = in_flight
         self._acc = dict.fromkeys(self.phases, 0.0)
         self._step_start = now
         self._events = _cuda_active()
@@ -130,6 +155,7 @@ def timed_allreduce_hook(timer: StepTimer, bucket):
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size())
     fut = dist.all_reduce(buffer, async_op=True).get_future()
+    timer.comm_call(start, time.perf_counter())
 
     def done(f):
         timer.comm_interval(start, time.perf_counter())

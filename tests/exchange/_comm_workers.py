@@ -132,11 +132,13 @@ def _mlp(seed: int = 0, d_in: int = 64) -> nn.Module:
     return nn.Sequential(nn.Linear(d_in, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 1))
 
 
-def _ddp(module: nn.Module, policy: CompressionPolicy | None, bucket_cap_mb: float = 0.04):
+def _ddp(module: nn.Module, policy: CompressionPolicy | None, bucket_cap_mb: float = 0.04,
+         overlap: bool = False, timer=None):
     model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
     state = None
     if policy is not None:
-        state = HookState(module.named_parameters(), policy)
+        group = dist.new_group(ranks=list(range(dist.get_world_size()))) if overlap else None
+        state = HookState(module.named_parameters(), policy, group=group, overlap=overlap, timer=timer)
         model.register_comm_hook(state, compressed_allreduce_hook)
     return model, state
 
@@ -251,8 +253,53 @@ def _auto(rank: int) -> dict:
             "auto_names": sorted(n for n, p in module.named_parameters() if policy.rule(n, p.numel()) == "auto")}
 
 
+def _overlap(rank: int) -> dict:
+    """The exchange thread (overlap) against the synchronous hook: the same model, data and policy
+    side by side for 6 steps with several buckets; a NaN on rank 1 at step 3; a step timer."""
+    from rapidfire_ray.telemetry.timing import StepTimer
+
+    out = {}
+    for label, policy_args in (("1bit", dict(grad="1bit", keep_fp16=["4.*"], min_numel=0)),
+                               ("2bit", dict(grad="2bit", min_numel=0))):
+        runs = {}
+        for overlap in (False, True):
+            module = _mlp(4)
+            timer = StepTimer() if overlap else None
+            model, state = _ddp(module, CompressionPolicy(**policy_args), bucket_cap_mb=0.02, overlap=overlap,
+                                timer=timer)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            poison = {"on": False}
+            if rank == 1:
+                module[2].weight.register_hook(lambda grad: grad * float("nan") if poison["on"] else grad)
+            g = torch.Generator().manual_seed(70 + rank)
+            steps, phases = [], []
+            for step in range(6):
+                poison["on"] = step == 3
+                opt.zero_grad()
+                if timer is not None:
+                    with timer.phase("forward"):
+                        loss = model(torch.randn(32, 64, generator=g)).square().mean()
+                    with timer.phase("backward"):
+                        loss.backward()
+                else:
+                    model(torch.randn(32, 64, generator=g)).square().mean().backward()
+                steps.append({"grads": _grads(module), "nonfinite": list(state.nonfinite)})
+                if not state.nonfinite:
+                    opt.step()
+                state.nonfinite.clear()
+                if timer is not None:
+                    phases.append((timer.take(), timer.comm_in_flight))
+            state.close()
+            runs[overlap] = {"steps": steps, "phases": phases, "stats": state.stats.take(),
+                             "skipped": state.skipped_buckets, "state": state.state_dict(),
+                             "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()])}
+        out[label] = runs
+    return out
+
+
 def ddp_scenario(rank: int, world_size: int) -> dict:
     return {"plain": _plain_parity(rank),
+            "overlap": _overlap(rank),
             "train_1bit": _train(rank, CompressionPolicy("1bit")),
             "train_none": _train(rank, CompressionPolicy("none")),
             "nonfinite": _nonfinite(rank),

@@ -16,6 +16,7 @@ from rapidfire_ray.exchange import (
     layout,
 )
 from rapidfire_ray.exchange.auto import CodecSpeed, LinkRate, choose_codec
+from rapidfire_ray.telemetry.timing import PHASES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,6 +58,35 @@ def test_1bit_training_loss_falls_and_ranks_agree(group2):
     again = fresh.state_dict()
     assert [s["names"] for s in again["slots"]] == [s["names"] for s in state["slots"]] == [["2.weight", "0.weight"]]
     assert torch.equal(again["slots"][0]["state"]["worker_error"], state["slots"][0]["state"]["worker_error"])
+
+
+def test_overlap_matches_the_synchronous_hook_bit_for_bit(group2):
+    """The exchange thread (own process group, buckets processed while backward goes on) gives the
+    same gradients, parameters, error feedback and non-finite handling as the synchronous hook."""
+    for rank in ddp(group2, "overlap"):
+        for label, runs in rank.items():
+            sync, over = runs[False], runs[True]
+            assert over["stats"]["comm_calls"] == sync["stats"]["comm_calls"] > 6, label  # several buckets
+            for step, (a, b) in enumerate(zip(sync["steps"], over["steps"])):
+                assert a["nonfinite"] == b["nonfinite"] == (["2.weight"] if step == 3 else []), (label, step)
+                for name in a["grads"]:
+                    assert torch.equal(a["grads"][name], b["grads"][name]), (label, step, name)
+            assert sync["skipped"] == over["skipped"] == 1
+            assert torch.equal(sync["params"], over["params"]), label
+            for s_slot, o_slot in zip(sync["state"]["slots"], over["state"]["slots"], strict=True):
+                assert s_slot["names"] == o_slot["names"]
+                for key in s_slot["state"]:
+                    assert torch.equal(s_slot["state"][key], o_slot["state"][key]), (label, key)
+
+
+def test_overlap_timer_counts_exposed_and_in_flight_communication(group2):
+    for rank in ddp(group2, "overlap"):
+        for label, runs in rank.items():
+            for phases, in_flight in runs[True]["phases"]:
+                assert in_flight > 0, label
+                assert 0 < phases["communication"] <= in_flight + 1e-9, label
+                total = sum(phases[p] for p in (*PHASES, "other"))
+                assert total == pytest.approx(phases["step"], rel=1e-6, abs=1e-6), label
 
 
 def test_nonfinite_on_one_rank_zeroes_the_bucket_everywhere(group2):
@@ -140,6 +170,9 @@ class FakeBucket:
 
     def index(self):
         return self._index
+
+    def is_last(self):
+        return False
 
     def buffer(self):
         return self._buffer

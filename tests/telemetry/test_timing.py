@@ -55,6 +55,43 @@ def test_the_breakdown_sums_to_the_step_time():
     assert all(again[p] == 0.0 for p in PHASES)
 
 
+@pytest.mark.parametrize("calls, flights, exposed, in_flight", [
+    # a synchronous hook: only in-flight intervals, all exposed
+    ([], [(0.0, 1.0), (2.0, 3.0)], 2.0, 2.0),
+    # overlapped: the launches held backward 0.1 s each; the last bucket ran 0.5 s past its launch
+    ([(0.0, 0.1), (1.0, 1.1)], [(0.0, 0.9), (1.0, 1.6)], 0.7, 1.5),
+    # everything hidden but the launches
+    ([(0.0, 0.1), (1.0, 1.1)], [(0.0, 0.5), (1.0, 1.1)], 0.2, 0.6),
+    # exposed never exceeds in flight (overlapping launch and flight intervals)
+    ([(0.0, 1.0)], [(0.0, 0.5)], 0.5, 0.5),
+])
+def test_exposed_communication_is_the_launches_plus_the_wait_after_the_last(calls, flights, exposed, in_flight):
+    timer = StepTimer()
+    for s, e in calls:
+        timer.comm_call(s, e)
+    for s, e in flights:
+        timer.comm_interval(s, e)
+    assert timer._comm_seconds() == pytest.approx((exposed, in_flight))
+
+
+def test_hidden_communication_leaves_backward_and_is_kept_in_flight():
+    timer = StepTimer()
+    timer.take()
+    with timer.phase("backward"):
+        t0 = time.perf_counter()
+        timer.comm_call(t0, t0 + 0.001)  # the first bucket: launched, in flight while backward computes
+        busy(0.03)
+        t1 = time.perf_counter()
+        timer.comm_interval(t0, t1)
+        timer.comm_call(t1, t1 + 0.001)  # the last bucket, when the gradients are all computed
+        busy(0.002)  # DDP waits for it
+        timer.comm_interval(t1, time.perf_counter())
+    out = timer.take()
+    assert out["communication"] < 0.01 < 0.025 < timer.comm_in_flight
+    assert out["backward"] >= 0.025
+    assert sum(out[p] for p in PHASES) + out["other"] == pytest.approx(out["step"], rel=1e-9, abs=1e-9)
+
+
 def test_phases_must_close_in_order():
     timer = StepTimer()
     timer.begin("backward")
