@@ -2,10 +2,12 @@
 
 profile -> configs (spec.py) -> Ray -> the data read and tokenised once (Ray Data, the SFT stage's
 `build_sft_dataset`), cut into `num_chunks` contiguous chunks held in the object store -> slots
-(Ray actors, `slot.Slot`) -> the loop: take ctl ops, make successive-halving cuts, hand (config,
+(Ray actors, `slot.Slot`) -> the loop: take ctl ops, make the policy's decisions (successive-halving
+cuts, pbt's warm clones), hand (config,
 chunk) pairs to free slots (`scheduler.ChunkScheduler`), collect each chunk's record and the
 config's state (an object ref; also written to `configs/<id>/state.pt` so --resume and a lost slot
-continue from the last boundary) -> experiment_summary.json rewritten at every boundary.
+continue from the last boundary) -> experiment_summary.json rewritten at every boundary (and each
+config's new records logged to MLflow, tracking.py).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from .scheduler import FAILED, ChunkScheduler
 from .slot import Slot, steps_for
 from .spec import Candidate, load_experiment, short_values, validate_candidate
 from .summary import SUMMARY, render_leaderboard, summary_of
+from .tracking import start_tracker
 
 SLOT_LOSSES = 2  # a config whose chunk loses its slot this many times is failed
 
@@ -47,11 +50,12 @@ def run_experiment(profile, overrides=(), *, address: str | None = None, resume:
         raise RapidfireError(f"--resume: the chunks differ from the stopped experiment's ({previous.get('chunk_rows')} "
                              f"rows, now {[len(c) for c in data.chunks]}); keep data.*, experiment.rows, eval_* and "
                              "num_chunks as they were")
-    sched = ChunkScheduler(spec.num_chunks, spec.policy, spec.eta, spec.min_chunks)
+    sched = ChunkScheduler(spec.num_chunks, spec.policy, spec.eta, spec.min_chunks, spec.quantile)
     for cut in (previous or {}).get("cuts", []):
         sched.cuts_made.add(cut["after_chunk"])
         sched.cuts.append(cut)
-    run = _Experiment(exp, data, sched, folder, previous)
+    run = _Experiment(exp, data, sched, folder, previous, base_cfg.run.seed)
+    run.tracker = start_tracker(spec.tracking, exp.name, folder)
     for cand in candidates:
         run.add(cand, previous)
     valid = [c for c in candidates if c.error is None]
@@ -164,8 +168,8 @@ class _Data:
 class _Experiment:
     """The loop's state: configs, their states (object refs), records, in-flight chunks, ctl ops."""
 
-    def __init__(self, exp, data: _Data, sched: ChunkScheduler, folder: str, previous: dict | None):
-        self.exp, self.data, self.sched, self.folder = exp, data, sched, folder
+    def __init__(self, exp, data: _Data, sched: ChunkScheduler, folder: str, previous: dict | None, seed: int = 0):
+        self.exp, self.data, self.sched, self.folder, self.seed = exp, data, sched, folder, seed
         self.cands: dict[str, Candidate] = {}
         self.states: dict[str, object] = {}  # config id -> ObjectRef of its state bytes (None: fresh)
         self.history: dict[str, list] = {}
@@ -177,6 +181,7 @@ class _Experiment:
         self.slot_factory = None
         self.controller = None
         self.lost: dict[str, int] = {}
+        self.tracker = None  # tracking.MlflowTracker
 
     def add(self, cand: Candidate, previous: dict | None = None, chunks_done: int = 0, state=None,
             warm_from: str | None = None) -> None:
@@ -226,6 +231,8 @@ class _Experiment:
             ops.apply_pending(self)
             for cid in self.sched.cut():
                 say(f"config {cid} stopped: {self.sched.configs[cid].reason}")
+            for ask in self.sched.take_exploits():
+                ops.exploit(self, ask)
             while free and (pair := self.sched.next_pair()) is not None:
                 self.launch(free.pop(0), *pair)
             if not self.inflight:
@@ -297,5 +304,10 @@ class _Experiment:
         atomic_write_json(os.path.join(self.folder, SUMMARY), summary)
         if self.controller is not None and status == "running":
             self.controller.publish.remote(summary)
+        if self.tracker is not None:
+            if status == "running":
+                self.tracker.sync(summary)
+            else:
+                self.tracker.close(summary)
         return summary
 

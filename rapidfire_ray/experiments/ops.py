@@ -1,4 +1,5 @@
-"""Control ops applied by the experiment's loop: stop, resume, delete, clone (cold or warm).
+"""Control ops applied by the experiment's loop: stop, resume, delete, clone (cold or warm), and
+pbt's clones (`exploit`: a warm clone with perturbed values, logged like a ctl clone).
 
 An op waits while its config is in flight and is applied at that config's next chunk boundary;
 each one is logged with who asked, when, what, when it was applied and after which chunk
@@ -8,14 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import time
 
 import ray
+from omegaconf import OmegaConf
 
 from ..log import say
 from .scheduler import DELETED, DONE, RUNNING, STOPPED
-from .spec import FIXED_PREFIXES, short_values, validate_candidate
+from .spec import FIXED_PREFIXES, perturb, short_values, validate_candidate
 
 
 def apply_pending(run) -> None:
@@ -84,6 +87,21 @@ def _clone(run, op, entry) -> str:
             shutil.copyfile(src, dst)
     start = entry.chunks_done + 1 if warm else 1
     return f"cloned as {cid} ({short_values(cand.values)}), {'warm' if warm else 'cold'}, from chunk {start}"
+
+
+def exploit(run, ask: dict) -> None:
+    """pbt (scheduler.take_exploits): a warm clone of `ask['parent']` with its searched values
+    perturbed (seeded by the experiment's seed, the boundary and the config it replaces)."""
+    spec = run.exp.spec
+    parent = run.cands[ask["parent"]]
+    seed = run.seed if spec.seed is None else spec.seed  # run.seed: the base config's
+    rng = random.Random(f"{seed}-pbt-{ask['after_chunk']}-{ask['replaces']}")
+    values = perturb(parent.values, OmegaConf.to_container(spec.search), rng, tuple(spec.perturb_factors))
+    op = {"op": "clone", "run": parent.id, "overrides": {k: v for k, v in values.items() if v != parent.values.get(k)},
+          "warm": True, "who": f"policy pbt (replaces {ask['replaces']})",
+          "asked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    entry = run.sched.configs[parent.id]
+    _record(run, op, _clone(run, op, entry), entry.chunks_done)
 
 
 def _shape(cfg) -> tuple:

@@ -1,10 +1,14 @@
-"""Which (config, chunk) pair a free slot trains next, and which configs successive halving stops.
+"""Which (config, chunk) pair a free slot trains next, and which configs a policy stops or replaces.
 
 Pure bookkeeping (no Ray), so its decisions are tested on their own. Every config trains chunk 0,
 1, 2, ... in that order; a free slot takes the live config with the fewest chunks done (ties: the
 oldest config), so configs move through the data together and are compared on the same chunks.
-Under successive halving nobody starts chunk k (a cut boundary) until every live config has
-finished chunk k-1 and the cut is made: keep the best max(1, n // eta), stop the rest.
+Under a policy (successive_halving, pbt) nobody starts chunk k (a decided boundary, k >=
+min_chunks) until every live config has finished chunk k-1 and the decision is made:
+successive halving keeps the best max(1, n // eta) and stops the rest; pbt (population-based
+training) stops the worst ceil(quantile * n) (at most n // 2) and asks for each a warm clone of
+one of the best as many, the worst replaced by the best (`take_exploits`: the driver clones them
+with perturbed values, spec.perturb). The population keeps its size; clones join at the boundary.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 RUNNING, STOPPED, FAILED, DELETED, DONE = "running", "stopped", "failed", "deleted", "done"
+DECIDING = ("successive_halving", "pbt")  # policies that decide at chunk boundaries
 
 
 @dataclass
@@ -31,11 +36,14 @@ class ConfigEntry:
 
 
 class ChunkScheduler:
-    def __init__(self, num_chunks: int, policy: str = "none", eta: int = 2, min_chunks: int = 1):
+    def __init__(self, num_chunks: int, policy: str = "none", eta: int = 2, min_chunks: int = 1,
+                 quantile: float = 0.25):
         self.num_chunks, self.policy, self.eta, self.min_chunks = num_chunks, policy, eta, min_chunks
+        self.quantile = quantile
         self.configs: dict[str, ConfigEntry] = {}
-        self.cuts_made: set[int] = set()  # boundaries successive halving has decided
+        self.cuts_made: set[int] = set()  # boundaries the policy has decided
         self.cuts: list[dict] = []
+        self.exploits: list[dict] = []  # pbt: clones asked for and not yet taken by the driver
 
     def add(self, cid: str, chunks_done: int = 0, state: str = RUNNING, scores: list | None = None,
             reason: str | None = None) -> ConfigEntry:
@@ -59,8 +67,8 @@ class ChunkScheduler:
         return c.id, c.chunks_done
 
     def _held(self, c: ConfigEntry) -> bool:
-        # a cut boundary not yet decided holds everybody who reached it
-        return self.policy == "successive_halving" and self._is_cut(c.chunks_done) and c.chunks_done not in self.cuts_made
+        # a boundary not yet decided holds everybody who reached it
+        return self.policy in DECIDING and self._is_cut(c.chunks_done) and c.chunks_done not in self.cuts_made
 
     def _is_cut(self, boundary: int) -> bool:
         return self.min_chunks <= boundary < self.num_chunks
@@ -82,9 +90,9 @@ class ChunkScheduler:
         self.configs[cid].in_flight = False
 
     def cut(self) -> list[str]:
-        """Successive halving: make every cut whose boundary all live configs have reached; the ids stopped."""
+        """Make every decision whose boundary all live configs have reached; the ids stopped."""
         stopped: list[str] = []
-        if self.policy != "successive_halving":
+        if self.policy not in DECIDING:
             return stopped
         while True:
             live = self.live() + [c for c in self.configs.values() if c.state == DONE]
@@ -96,8 +104,11 @@ class ChunkScheduler:
             if any(c.chunks_done < boundary or c.in_flight for c in self.live()):
                 return stopped  # someone is still on its way to this boundary
             group = [c for c in live if c.chunks_done == boundary]
-            keep = max(1, len(group) // self.eta)
             ranked = sorted(group, key=lambda c: (c.score, c.order))
+            if self.policy == "pbt":
+                stopped += self._exploit(boundary, ranked)
+                continue
+            keep = max(1, len(group) // self.eta)
             for rank, c in enumerate(ranked[keep:], start=keep + 1):
                 c.state, c.reason = STOPPED, (f"successive_halving after chunk {boundary}: rank {rank} of "
                                               f"{len(group)} (kept the best {keep})")
@@ -105,6 +116,25 @@ class ChunkScheduler:
             self.cuts_made.add(boundary)
             self.cuts.append({"after_chunk": boundary, "kept": [c.id for c in ranked[:keep]],
                               "stopped": [c.id for c in ranked[keep:]]})
+
+    def _exploit(self, boundary: int, ranked: list[ConfigEntry]) -> list[str]:
+        """pbt at `boundary`: the worst k replaced by warm clones of the best k (the worst by the best)."""
+        n = len(ranked)
+        k = min(n // 2, math.ceil(self.quantile * n))
+        best, worst = ranked[:k], ranked[n - k:][::-1]  # worst[0] is the last of all
+        for loser, winner in zip(worst, best):
+            loser.state, loser.reason = STOPPED, (f"pbt after chunk {boundary}: rank {n - worst.index(loser)} of {n}, "
+                                                  f"replaced by a warm clone of {winner.id}")
+            self.exploits.append({"after_chunk": boundary, "parent": winner.id, "replaces": loser.id})
+        self.cuts_made.add(boundary)
+        self.cuts.append({"after_chunk": boundary, "kept": [c.id for c in ranked[:n - k]],
+                          "stopped": [c.id for c in worst], "cloned": [c.id for c in best]})
+        return [c.id for c in worst]
+
+    def take_exploits(self) -> list[dict]:
+        """pbt: the clones asked for since the last call ({after_chunk, parent, replaces})."""
+        out, self.exploits = self.exploits, []
+        return out
 
     def idle(self) -> bool:
         """Nothing in flight and nothing left to hand out (call `cut` first)."""

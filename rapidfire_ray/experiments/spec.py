@@ -14,7 +14,7 @@ import math
 import os
 import random
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -53,15 +53,24 @@ class ExperimentSection:
     metric: str = field("eval_loss", "what every config is scored on at each chunk boundary (lower is better)",
                         choices=("eval_loss", "perplexity"))
     policy: str = field("none", "none: every config trains every chunk; successive_halving: at each boundary "
-                                "from min_chunks on keep the best 1/eta, stop the rest",
-                        choices=("none", "successive_halving"))
+                                "from min_chunks on keep the best 1/eta, stop the rest; pbt: at each boundary "
+                                "from min_chunks on replace the worst quantile by warm clones of the best with "
+                                "perturbed values",
+                        choices=("none", "successive_halving", "pbt"))
     eta: int = field(2, "successive_halving: keep the best max(1, n // eta) configs at each boundary",
                      range=(2, None))
-    min_chunks: int = field(1, "successive_halving: chunks every config trains before the first cut",
+    min_chunks: int = field(1, "successive_halving, pbt: chunks every config trains before the first decision",
                             range=(1, None))
+    quantile: float = field(0.25, "pbt: share of the configs replaced at each boundary (ceil(quantile * n), at "
+                                  "most n // 2)", range=(0.01, 0.5))
+    perturb_factors: List[float] = field([0.8, 1.2], "pbt: a searched range's value is multiplied by one of these "
+                                                     "(kept inside low..high); a searched list's moves to a "
+                                                     "neighbouring entry")
     num_slots: Optional[int] = field(None, "training slots (one process each, keeping the base model loaded; "
                                            "null: as many as the cluster's CPUs/GPUs hold, at most one per "
                                            "config)", range=(1, None))
+    tracking: str = field("auto", "each config as an MLflow run (MLFLOW_TRACKING_URI, else mlflow.db in the "
+                                  "experiment folder); auto: when MLflow is installed", choices=("auto", "mlflow", "none"))
     resources: SlotResources = section(SlotResources)
 
 
@@ -207,6 +216,34 @@ def _draw(values, rng: random.Random):
     low, high = values["low"], values["high"]
     x = math.exp(rng.uniform(math.log(low), math.log(high))) if values.get("log") else rng.uniform(low, high)
     return int(round(x)) if values.get("int") else float(f"{x:.6g}")
+
+
+# A warm clone keeps its parent's adapter, so its shape stays the parent's.
+ADAPTER_SHAPE_KEYS = ("model.lora.r", "model.lora.target_modules")
+
+
+def perturb(values: dict, search: Mapping[str, Any], rng: random.Random, factors=(0.8, 1.2)) -> dict:
+    """pbt's explore step: the searched values of a clone of a config whose values are `values`.
+    A range's value is multiplied by one of `factors` and kept inside low..high (rounded for int);
+    a list's moves to the entry before or after it (at an end: its only neighbour; a value not in the list,
+    e.g. a clone's override, is drawn again). The adapter's shape keys are not changed."""
+    out = dict(values)
+    for key, spec in search.items():
+        if key in ADAPTER_SHAPE_KEYS or key not in values:
+            continue
+        value = values[key]
+        if isinstance(spec, list):
+            if value in spec:
+                i, shift = spec.index(value), rng.choice((-1, 1))
+                if not 0 <= i + shift < len(spec):
+                    shift = -shift  # at an end of the list: its only neighbour
+                out[key] = spec[min(len(spec) - 1, max(0, i + shift))]
+            else:
+                out[key] = spec[rng.randrange(len(spec))]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            x = min(spec["high"], max(spec["low"], value * rng.choice(tuple(factors))))
+            out[key] = int(round(x)) if spec.get("int") else float(f"{x:.6g}")
+    return out
 
 
 def validate_candidate(base: dict, values: dict, cid: str, parent: str | None = None) -> Candidate:

@@ -20,8 +20,8 @@ def test_a_plain_profile_is_refused_with_what_to_add(capsys):
 
 
 def test_a_bad_experiment_override_names_the_key(capsys):
-    assert main(["experiment", "--profile", PROFILE, "experiment.policy=pbt"]) == 2
-    assert "experiment.policy: 'pbt' is not one of: none, successive_halving" in _error(capsys)
+    assert main(["experiment", "--profile", PROFILE, "experiment.policy=asha"]) == 2
+    assert "experiment.policy: 'asha' is not one of: none, successive_halving, pbt" in _error(capsys)
 
 
 def test_train_refuses_an_experiment_profile(capsys):

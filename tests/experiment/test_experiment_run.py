@@ -46,6 +46,21 @@ def test_three_configs_two_chunks_side_by_side_and_a_bad_one_failed(ray_cluster,
     assert board[0].startswith("experiment experiment-tiny (completed, policy none): 3 done, 1 failed")
     assert board[2].split()[:5] == ["1", "c2", "lr=0.01", "2/2", f"{configs['c2']['score']:.4f}"]
 
+    # every config is an MLflow run in the folder's SQLite store, read back with MLflow's own client
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder}/mlflow.db")
+    experiment_id = client.get_experiment_by_name("experiment-tiny").experiment_id
+    runs = {r.info.run_name: r for r in client.search_runs([experiment_id])}
+    assert set(runs) == {"c0", "c1", "c2", "c3"}
+    assert runs["c1"].info.status == "FAILED" and "optimizer.params.lr" in runs["c1"].data.tags["rapidfire.reason"]
+    for cid in ("c0", "c2", "c3"):
+        run = runs[cid]
+        assert run.info.status == "FINISHED" and run.data.tags["rapidfire.config"] == cid
+        assert float(run.data.params["optimizer.params.lr"]) == configs[cid]["values"]["optimizer.params.lr"]
+        logged = client.get_metric_history(run.info.run_id, "eval_loss")
+        assert [(m.step, m.value) for m in logged] == [(h["step"], h["eval_loss"]) for h in configs[cid]["history"]]
+
     with pytest.raises(RapidfireError, match="already has experiment_summary.json; pass --resume"):
         rapidfire_ray.experiment(PROFILE, overrides={"run.output_dir": str(tmp_path)})
 
@@ -67,6 +82,10 @@ def test_three_configs_two_chunks_side_by_side_and_a_bad_one_failed(ray_cluster,
         assert again["configs"][i]["history"] == summary["configs"][i]["history"]
     assert again["configs"][1]["state"] == "failed" and again["config_chunks"] == 6
     assert again["status"] == "completed"
+    # the same MLflow runs go on: c0's chunk 2 (logged before the crash) is not logged twice
+    runs = {r.info.run_name: r for r in client.search_runs([experiment_id])}
+    assert set(runs) == {"c0", "c1", "c2", "c3"} and runs["c0"].info.status == "FINISHED"
+    assert len(client.get_metric_history(runs["c0"].info.run_id, "eval_loss")) == 2
 
 
 def test_successive_halving_and_live_ctl_ops(ray_cluster, tmp_path):
@@ -117,3 +136,24 @@ def test_successive_halving_and_live_ctl_ops(ray_cluster, tmp_path):
     # (in the order applied: a stop waits while its config is mid-chunk, a clone does not)
     assert sorted(json.loads(line)["op"] for line in lines) == ["clone", "stop"]
 
+
+
+def test_pbt_replaces_the_worse_config_by_a_warm_perturbed_clone(ray_cluster, tmp_path):
+    summary = rapidfire_ray.experiment(PROFILE, overrides={
+        "run.output_dir": str(tmp_path), "run.name": "exp-pbt", "experiment.policy": "pbt",
+        "experiment.quantile": 0.5, "experiment.tracking": "none", "experiment.num_slots": 1,
+        "experiment.search.optimizer.params.lr": [1e-3, 1e-2]})
+    configs = {c["id"]: c for c in summary["configs"]}
+    (cut,) = summary["cuts"]
+    # lr 1e-2 learns more in chunk 1 (as in the grid test): c0 is replaced by a warm clone of c1
+    assert cut == {"after_chunk": 1, "kept": ["c1"], "stopped": ["c0"], "cloned": ["c1"]}
+    assert configs["c0"]["state"] == "stopped" and configs["c0"]["chunks_done"] == 1
+    clone = configs["c2"]
+    assert clone["parent"] == "c1" and clone["warm_from"] == "c1" and clone["state"] == "done"
+    # a list value moves to a neighbouring entry: the only neighbour of 1e-2 is 1e-3
+    assert clone["values"] == {"optimizer.params.lr": 1e-3}
+    # it trained chunk 2 only, from the parent's step 2 on
+    assert [(h["chunk"], h["step"]) for h in clone["history"]] == [(2, 4)]
+    (logged,) = summary["ctl_log"]
+    assert logged["who"] == "policy pbt (replaces c0)" and logged["result"].startswith("cloned as c2")
+    assert not (tmp_path / "exp-pbt" / "mlflow.db").exists()  # experiment.tracking: none

@@ -73,3 +73,29 @@ def test_clone_cold_warm_and_refused(tmp_path):
     assert c["c6"].state == FAILED and "data.max_length: cannot be changed" in c["c6"].reason
     assert c["c7"].state == FAILED and "optimizer.params.lr" in c["c7"].reason
     assert [e["result"].split(" ")[0] for e in run.ctl_log] == ["cloned", "cloned", "clone", "clone", "clone", "clone"]
+
+
+def test_pbt_exploit_is_a_logged_warm_clone_with_perturbed_values(tmp_path):
+    exp = load_experiment(_profile(num_chunks=3, policy="pbt", quantile=0.5,
+                                   search={"optimizer.params.lr": {"low": 1e-4, "high": 1e-2}}, num_samples=2),
+                          {"run.output_dir": str(tmp_path)})
+    rows = sample_rows(12)
+    data = SimpleNamespace(chunks=[rows[:4], rows[4:8], rows[8:]], eval_rows=rows[:2])
+    run = _Experiment(exp, data, ChunkScheduler(3, "pbt", quantile=0.5), exp.folder, None, seed=3)
+    for cand in exp.candidates:
+        run.add(cand)
+    for score in (1.0, 2.0):
+        cid, _ = run.sched.next_pair()
+        run.sched.finished(cid, score)
+        run.states[cid] = f"state of {cid}".encode()
+    assert run.sched.cut() == ["c1"]
+    for ask in run.sched.take_exploits():
+        ops.exploit(run, ask)
+    c2 = run.cands["c2"]
+    parent_lr = run.cands["c0"].values["optimizer.params.lr"]
+    assert c2.parent == "c0" and run.info["c2"]["warm_from"] == "c0" and run.states["c2"] == b"state of c0"
+    assert c2.values["optimizer.params.lr"] in (float(f"{parent_lr * 0.8:.6g}"), float(f"{parent_lr * 1.2:.6g}"))
+    assert run.sched.configs["c2"].chunks_done == 1 and run.sched.configs["c2"].state == RUNNING
+    (entry,) = run.ctl_log
+    assert entry["who"] == "policy pbt (replaces c1)" and entry["warm"] and entry["result"].startswith("cloned as c2")
+    assert sorted(run.sched.next_pair()[0] for _ in range(2)) == ["c0", "c2"]

@@ -76,3 +76,43 @@ def test_nan_scores_rank_last():
         sched.add(cid)
     _drive(sched, 2, lambda c, k: float("nan") if c == "a" else 9.0)
     assert sched.cuts[0]["kept"] == ["b"]
+
+
+def test_pbt_replaces_the_worst_quantile_by_the_best_at_each_boundary():
+    scores = {"c0": 3.0, "c1": 1.0, "c2": 4.0, "c3": 2.0, "c4": 5.0, "c5": 0.5, "c6": 6.0, "c7": 7.0}
+    sched = ChunkScheduler(num_chunks=3, policy="pbt", min_chunks=1, quantile=0.25)
+    for cid in scores:
+        sched.add(cid)
+    flying = [sched.next_pair() for _ in range(8)]
+    assert sched.next_pair() is None and all(k == 0 for _, k in flying)
+    for cid, _ in flying[:7]:
+        sched.finished(cid, scores[cid])
+    assert sched.cut() == [] and sched.next_pair() is None  # c7 is still on its way to the boundary
+    sched.finished("c7", scores["c7"])
+    # ceil(0.25 * 8) = 2: the last (c7) is replaced by a clone of the best (c5), c6 by one of c1
+    assert sched.cut() == ["c7", "c6"]
+    assert sched.take_exploits() == [{"after_chunk": 1, "parent": "c5", "replaces": "c7"},
+                                     {"after_chunk": 1, "parent": "c1", "replaces": "c6"}]
+    assert sched.take_exploits() == []
+    assert sched.configs["c7"].state == STOPPED and "rank 8 of 8, replaced by a warm clone of c5" in sched.configs["c7"].reason
+    assert "rank 7 of 8" in sched.configs["c6"].reason
+    assert sched.cuts == [{"after_chunk": 1, "kept": ["c5", "c1", "c3", "c0", "c2", "c4"], "stopped": ["c7", "c6"],
+                           "cloned": ["c5", "c1"]}]
+    # the clones join at the boundary (as the driver adds them, warm) and the population keeps its size
+    sched.add("c8", chunks_done=1)
+    sched.add("c9", chunks_done=1)
+    assert len(sched.live()) == 8
+    started = [sched.next_pair() for _ in range(8)]
+    assert sorted(k for _, k in started) == [1] * 8
+
+
+def test_pbt_with_few_configs_replaces_at_most_half():
+    for n, replaced in ((1, 0), (2, 1), (3, 1), (4, 2), (5, 2)):
+        sched = ChunkScheduler(num_chunks=2, policy="pbt", quantile=0.5)
+        for i in range(n):
+            sched.add(f"c{i}")
+        for _ in range(n):
+            cid, _ = sched.next_pair()
+            sched.finished(cid, float(cid[1:]))
+        assert len(sched.cut()) == replaced, n
+        assert len(sched.take_exploits()) == replaced

@@ -80,3 +80,25 @@ def test_configs_without_lora_are_failed_with_the_fix():
     profile["model"] = {"name": "tiny-random"}
     with pytest.raises(RapidfireError, match="model.lora: null; an experiment swaps LoRA adapters"):
         load_experiment(profile)
+
+
+def test_pbt_perturbs_ranges_inside_their_bounds_lists_to_a_neighbour_and_keeps_the_adapter_shape():
+    import random
+
+    from rapidfire_ray.experiments.spec import perturb
+
+    search = {"optimizer.params.lr": {"low": 1e-4, "high": 1e-2, "log": True},
+              "train.gradient_accumulation_steps": {"low": 1, "high": 8, "int": True},
+              "optimizer.params.weight_decay": [0.0, 0.01, 0.1], "model.lora.r": [4, 8]}
+    values = {"optimizer.params.lr": 1e-3, "train.gradient_accumulation_steps": 4,
+              "optimizer.params.weight_decay": 0.01, "model.lora.r": 4}
+    seen = [perturb(values, search, random.Random(i)) for i in range(40)]
+    assert {s["optimizer.params.lr"] for s in seen} == {0.0008, 0.0012}
+    assert {s["train.gradient_accumulation_steps"] for s in seen} == {3, 5}
+    assert {s["optimizer.params.weight_decay"] for s in seen} == {0.0, 0.1}
+    assert {s["model.lora.r"] for s in seen} == {4}  # a warm clone keeps its parent's adapter
+    edge = perturb({"optimizer.params.lr": 1e-2, "optimizer.params.weight_decay": 0.1}, search, random.Random(0),
+                   factors=(1.5,))
+    assert edge["optimizer.params.lr"] == 1e-2  # kept inside the range
+    assert edge["optimizer.params.weight_decay"] == 0.01  # at the end of the list: its only neighbour
+    assert perturb(values, search, random.Random(3)) == perturb(values, search, random.Random(3))
