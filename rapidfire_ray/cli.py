@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     # Commands with their own parsers (`rapidfire doctor --help`): `main` hands them everything after
     # their name; listed here for `rapidfire --help`.
     for name, text in (("doctor", "check a profile, a sample of its data and the cluster before a run"),
-                       ("report", "draw a finished run's loss, throughput and step-time breakdown (PNG)"),
+                       ("report", "draw a finished run's loss, throughput and step-time breakdown, or an experiment's configs (PNG)"),
                        ("monitor", "watch a running run's metrics live; change its knobs (--adjust_parameters)"),
                        ("experiment", "many LoRA configs side by side, compared chunk by chunk; status, ctl")):
         sub.add_parser(name, help=text, add_help=False)

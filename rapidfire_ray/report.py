@@ -1,10 +1,14 @@
-"""`rapidfire report`: a finished run as a picture and a few lines of text.
+"""`rapidfire report`: a finished run, or an experiment, as a picture and a few lines of text.
 
     rapidfire report RUN_DIR [--out PATH]
 
-Reads `run_summary.json` and `steps.jsonl` (every rank's record of every step) from RUN_DIR
-(`<run.output_dir>/<run.name>`), writes a PNG (default RUN_DIR/report.png) with the loss, the
+A run folder (`<run.output_dir>/<run.name>`): reads `run_summary.json` and `steps.jsonl` (every
+rank's record of every step), writes a PNG (default RUN_DIR/report.png) with the loss, the
 throughput and the step-time breakdown over the steps, and prints a short summary.
+An experiment folder (`experiment_summary.json`, running or finished): one PNG with every
+config's held-out metric and training loss per chunk over its optimizer steps (a clone's line
+starts from its parent's point at the boundary it was cloned at; a stopped or failed config ends
+in a cross), and the leaderboard.
 """
 from __future__ import annotations
 
@@ -68,12 +72,8 @@ def per_step(steps: list[dict]) -> list[dict]:
 
 def plot_run(summary: dict, steps: list[dict]):
     """A matplotlib Figure (Agg canvas, no pyplot state) with the panels in TITLES, in order."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        raise RapidfireError("rapidfire report needs matplotlib: pip install matplotlib") from None
+    Figure, FigureCanvasAgg = _figure_classes()
+    from matplotlib.ticker import MaxNLocator
 
     rows = per_step(steps)
     xs = [r["step"] for r in rows]
@@ -133,27 +133,92 @@ def describe(summary: dict, steps: list[dict]) -> list[str]:
         if comm.get("comm_latency_p50_s") is not None:
             line += (f", latency p50 {1e3 * comm['comm_latency_p50_s']:.1f} ms / "
                      f"p99 {1e3 * comm['comm_latency_p99_s']:.1f} ms")
+        if comm.get("hidden_share") is not None:
+            line += f", {100 * comm['hidden_share']:.0f}% of the exchange time hidden behind backward"
         if comm.get("skipped_steps"):
             line += f", {comm['skipped_steps']} step(s) skipped for non-finite gradients"
         lines.append(line)
     return lines
 
 
+def _figure_classes():
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RapidfireError("rapidfire report needs matplotlib: pip install matplotlib") from None
+    return Figure, FigureCanvasAgg
+
+
+def plot_experiment(summary: dict):
+    """A Figure with one line per config (that trained a chunk) in each of two panels: the held-out
+    metric and the training loss after each chunk, over the config's optimizer steps."""
+    Figure, FigureCanvasAgg = _figure_classes()
+    fig = Figure(figsize=(9, 8), layout="constrained")
+    FigureCanvasAgg(fig)
+    score_ax, loss_ax = fig.subplots(2, 1, sharex=True)
+    by_id = {c["id"]: c for c in summary["configs"]}
+    for c in summary["configs"]:
+        history = c.get("history") or []
+        if not history or c["state"] == "deleted":
+            continue
+        start = _branch_point(c, by_id)
+        for ax, key in ((score_ax, "score"), (loss_ax, "train_loss")):
+            xs = [h["step"] for h in history]
+            ys = [h[key] for h in history]
+            if start is not None:
+                xs, ys = [start["step"]] + xs, [start[key]] + ys
+            (line,) = ax.plot(xs, ys, marker=".", linestyle="--" if c.get("parent") else "-",
+                              label=f"{c['id']} {c['values_text']}")
+            if c["state"] in ("stopped", "failed"):
+                ax.plot([xs[-1]], [ys[-1]], marker="x", markersize=9, color=line.get_color())
+    score_ax.set_title(f"Held-out {summary['metric']} after each chunk (lower is better)")
+    loss_ax.set_title("Training loss of each chunk")
+    loss_ax.set_xlabel("optimizer step of the config")
+    for ax in (score_ax, loss_ax):
+        ax.grid(alpha=0.3)
+    score_ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    fig.suptitle(f"experiment {summary['name']} ({summary['status']}, policy {summary['policy']}): "
+                 f"{summary['counts']}")
+    return fig
+
+
+def _branch_point(config: dict, by_id: dict) -> dict | None:
+    """A warm clone's parent record at the boundary the clone started from (None: cold or unknown)."""
+    parent = by_id.get(config.get("warm_from") or "")
+    first = (config.get("history") or [{}])[0].get("chunk")
+    if parent is None or not first:
+        return None
+    return next((h for h in parent.get("history") or [] if h["chunk"] == first - 1), None)
+
+
 def write_report(run_dir: str, out: str | None = None) -> tuple[str, list[str]]:
     """Write the PNG (default RUN_DIR/report.png); return (its path, the text summary lines)."""
-    summary, steps = load_run(run_dir)
+    from .experiments.summary import SUMMARY, render_leaderboard
+
+    experiment = os.path.join(run_dir, SUMMARY)
+    if os.path.isfile(experiment):
+        try:
+            with open(experiment, encoding="utf-8") as f:
+                exp_summary = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RapidfireError(f"RUN_DIR '{run_dir}': unreadable {SUMMARY} ({e})") from None
+        fig, lines = plot_experiment(exp_summary), render_leaderboard(exp_summary).splitlines()
+    else:
+        summary, steps = load_run(run_dir)
+        fig, lines = plot_run(summary, steps), describe(summary, steps)
     out = out or os.path.join(run_dir, "report.png")
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise RapidfireError(f"--out '{out}': folder {parent} does not exist")
-    plot_run(summary, steps).savefig(out, dpi=100)
-    return out, describe(summary, steps)
+    fig.savefig(out, dpi=100)
+    return out, lines
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rapidfire report", description="Plot a finished run's loss, throughput and "
-                                "step-time breakdown, and summarise it.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder: <run.output_dir>/<run.name>")
+                                "step-time breakdown, or every config of an experiment, and summarise it.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run or experiment folder: <run.output_dir>/<run.name>")
     p.add_argument("--out", default=None, metavar="PATH", help="where to write the PNG (default RUN_DIR/report.png)")
     return p
 

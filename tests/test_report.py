@@ -101,3 +101,42 @@ def test_the_rapidfire_command_dispatches_report(tmp_path, capsys):
 
     assert main(["report", str(tmp_path / "no-such-run")]) == 2
     assert capsys.readouterr().err.strip().startswith("rapidfire: error:")
+
+
+def _config(cid, state, history, parent=None, warm_from=None):
+    return {"id": cid, "values": {}, "values_text": f"lr={cid}", "state": state, "chunks_done": len(history),
+            "score": history[-1]["score"] if history else None, "reason": None, "error": None, "parent": parent,
+            "warm_from": warm_from, "history": history}
+
+
+def _chunk(chunk, step, score):
+    return {"chunk": chunk, "step": step, "score": score, "train_loss": score + 0.1}
+
+
+def test_report_of_an_experiment_draws_every_config_and_prints_the_leaderboard(tmp_path, capsys):
+    configs = [_config("c0", "stopped", [_chunk(1, 2, 3.0)]),
+               _config("c1", "done", [_chunk(1, 2, 2.0), _chunk(2, 4, 1.5)]),
+               _config("c2", "done", [_chunk(2, 4, 1.2)], parent="c1", warm_from="c1"),
+               _config("c3", "failed", [])]
+    summary = {"name": "exp", "status": "completed", "policy": "pbt", "metric": "eval_loss", "num_chunks": 2,
+               "counts": "2 done, 1 failed, 1 stopped", "configs": configs, "swap": {}}
+    fig = report.plot_experiment(summary)
+    score_ax = fig.axes[0]
+    lines = {ln.get_label(): ln for ln in score_ax.get_lines() if not ln.get_label().startswith("_")}
+    assert set(lines) == {"c0 lr=c0", "c1 lr=c1", "c2 lr=c2"}  # c3 trained no chunk
+    # the warm clone's line starts at its parent's point after chunk 1 and is dashed
+    assert list(lines["c2 lr=c2"].get_xdata()) == [2, 4] and list(lines["c2 lr=c2"].get_ydata()) == [2.0, 1.2]
+    assert lines["c2 lr=c2"].get_linestyle() == "--" and lines["c1 lr=c1"].get_linestyle() == "-"
+    assert sum(1 for ln in score_ax.get_lines() if ln.get_marker() == "x") == 1  # c0 stopped
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "experiment_summary.json").write_text(json.dumps(summary))
+    assert report.main([str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "experiment exp (completed, policy pbt): 2 done, 1 failed, 1 stopped"
+    assert f"report: {folder / 'report.png'}" in out
+    with Image.open(folder / "report.png") as img:
+        assert img.format == "PNG" and img.size == (900, 800)
+    (folder / "experiment_summary.json").write_text("{not json")
+    assert report.main([str(folder)]) == 2
+    assert "unreadable experiment_summary.json" in capsys.readouterr().err

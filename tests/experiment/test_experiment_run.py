@@ -61,6 +61,11 @@ def test_three_configs_two_chunks_side_by_side_and_a_bad_one_failed(ray_cluster,
         logged = client.get_metric_history(run.info.run_id, "eval_loss")
         assert [(m.step, m.value) for m in logged] == [(h["step"], h["eval_loss"]) for h in configs[cid]["history"]]
 
+    # rapidfire report draws the experiment folder: every config's curves in one PNG, and the leaderboard
+    capsys.readouterr()
+    assert main(["report", str(folder)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == board[0] and (folder / "report.png").stat().st_size > 10_000
+
     with pytest.raises(RapidfireError, match="already has experiment_summary.json; pass --resume"):
         rapidfire_ray.experiment(PROFILE, overrides={"run.output_dir": str(tmp_path)})
 
