@@ -458,3 +458,18 @@ def test_parameter_server_shards_export_their_updates_and_staleness(ray_cluster)
         for s in shards:
             ray.kill(s)
         del pinned
+
+
+def test_experiment_gauges_per_config_from_the_leaderboard():
+    from rapidfire_ray.telemetry.metrics import BY_NAME, experiment_gauges
+
+    board = {"name": "exp", "configs": [
+        {"id": "c0", "state": "running", "chunks_done": 2,
+         "history": [{"score": 3.0, "train_loss": 3.5}, {"score": 2.5, "train_loss": 2.75}]},
+        {"id": "c1", "state": "running", "chunks_done": 0, "history": []},
+        {"id": "c2", "state": "deleted", "chunks_done": 1, "history": [{"score": 9.0, "train_loss": 9.0}]}]}
+    got = experiment_gauges(board)
+    tags0, tags1 = {"experiment": "exp", "config": "c0"}, {"experiment": "exp", "config": "c1"}
+    assert got == [("rapidfire_experiment_chunks_done", 2.0, tags0), ("rapidfire_experiment_score", 2.5, tags0),
+                   ("rapidfire_experiment_train_loss", 2.75, tags0), ("rapidfire_experiment_chunks_done", 0.0, tags1)]
+    assert all(set(tags) == set(BY_NAME[name].labels) for name, _, tags in got)

@@ -1,7 +1,8 @@
 """Steering a running experiment: its named controller actor and the `ctl` client side.
 
 `ExperimentController` (`rapidfire-experiment-<name>` in namespace `rapidfire`) only queues what
-people ask for and holds the leaderboard the driver publishes; the driver takes the queue at
+people ask for and holds the leaderboard the driver publishes (recording each config's gauges,
+telemetry/metrics.py); the driver takes the queue at
 every pass and applies an op at the target config's next chunk boundary (never mid-chunk), then
 records who asked, when, what, and at which boundary it was applied (`ctl_log.jsonl`).
 """
@@ -44,6 +45,12 @@ class ExperimentController:
 
     def publish(self, board: dict) -> None:
         self.board = board
+        try:  # per-config gauges on the Ray dashboard / metrics endpoint
+            from ..telemetry.metrics import record_experiment
+
+            record_experiment(board)
+        except Exception:  # noqa: BLE001 - metrics never stop an experiment
+            pass
 
     def leaderboard(self) -> dict:
         return self.board

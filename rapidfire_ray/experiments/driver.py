@@ -55,6 +55,7 @@ def run_experiment(profile, overrides=(), *, address: str | None = None, resume:
         sched.cuts_made.add(cut["after_chunk"])
         sched.cuts.append(cut)
     run = _Experiment(exp, data, sched, folder, previous, base_cfg.run.seed)
+    run.t0 = t_start
     run.tracker = start_tracker(spec.tracking, exp.name, folder)
     for cand in candidates:
         run.add(cand, previous)
@@ -182,6 +183,7 @@ class _Experiment:
         self.controller = None
         self.lost: dict[str, int] = {}
         self.tracker = None  # tracking.MlflowTracker
+        self.t0 = time.time()  # the experiment's start (records' at_s)
 
     def add(self, cand: Candidate, previous: dict | None = None, chunks_done: int = 0, state=None,
             warm_from: str | None = None) -> None:
@@ -280,7 +282,7 @@ class _Experiment:
             self.write("running")
             return slot_index
         self.states[cid] = state_ref
-        record.update(chunk=chunk + 1, slot=slot_index, wall_s=time.time() - t0)
+        record.update(chunk=chunk + 1, slot=slot_index, wall_s=time.time() - t0, at_s=time.time() - self.t0)
         busy = record["train_s"] + record["eval_s"] + record["swap_in_s"] + record["swap_out_s"]
         record["swap_fraction"] = (record["swap_in_s"] + record["swap_out_s"]) / busy if busy else 0.0
         record["score"] = record[self.exp.spec.metric]

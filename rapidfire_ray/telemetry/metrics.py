@@ -4,7 +4,8 @@ Prometheus and Grafana.
 Every Ray Train worker records its own numbers at log steps (`train.log_every_steps`) from the
 same step records the progress board and `run_summary.json` use (`WorkerMetrics`); parameter-
 server shard actors record theirs as they apply updates (`ShardMetrics`); the run's control
-actor counts its knob changes (`count_adjustment`). Ray exports a metric named `rapidfire_x`
+actor counts its knob changes (`count_adjustment`); an experiment's controller actor records each
+config's latest numbers whenever the driver publishes the leaderboard (`record_experiment`). Ray exports a metric named `rapidfire_x`
 as `ray_rapidfire_x` (counters: `ray_rapidfire_x_total`), with our labels plus Ray's own
 (`SessionName`, `NodeAddress`, `Component`, `Version`, ...), on every node's metrics export port
 (`ray.nodes()[i]["MetricsExportPort"]`), about `metrics_report_interval_ms` (default 10 s)
@@ -22,6 +23,7 @@ from .rules import knob_gauge
 
 WORKER_LABELS = ("run", "rank", "node")
 SHARD_LABELS = ("run", "shard", "node")
+EXPERIMENT_LABELS = ("experiment", "config")
 STEP_SECONDS_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 STALENESS_BOUNDARIES = [0.5, 1.5, 2.5, 3.5, 4.5, 8.5, 16.5]  # histogram buckets at integers 0, 1, 2, ...
 
@@ -85,6 +87,12 @@ METRICS = (
     Metric("rapidfire_ps_shard_updates", "counter", SHARD_LABELS, "parameter_server: updates applied by the shard"),
     Metric("rapidfire_ps_shard_staleness", "histogram", SHARD_LABELS,
            "parameter_server: staleness (versions) of each update the shard applied", tuple(STALENESS_BOUNDARIES)),
+    Metric("rapidfire_experiment_score", "gauge", EXPERIMENT_LABELS,
+           "experiments: the config's held-out metric (experiment.metric) after its last trained chunk"),
+    Metric("rapidfire_experiment_train_loss", "gauge", EXPERIMENT_LABELS,
+           "experiments: the config's training loss over its last trained chunk"),
+    Metric("rapidfire_experiment_chunks_done", "gauge", EXPERIMENT_LABELS,
+           "experiments: chunks the config has trained"),
 )
 BY_NAME = {m.name: m for m in METRICS}
 
@@ -253,3 +261,24 @@ class ShardMetrics:
 
 def count_adjustment(run: str, knob: str) -> None:
     _Instruments.get("rapidfire_adjustments").inc(1.0, tags={"run": run, "knob": knob})
+
+
+def experiment_gauges(board: dict) -> list[tuple[str, float, dict]]:
+    """(metric, value, tags) per config of an experiment's leaderboard (summary_of's dict); a
+    config that trained no chunk has only chunks_done, a deleted one nothing."""
+    out = []
+    for c in board.get("configs", []):
+        if c["state"] == "deleted":
+            continue
+        tags = {"experiment": board["name"], "config": c["id"]}
+        out.append(("rapidfire_experiment_chunks_done", float(c["chunks_done"]), tags))
+        history = c.get("history") or []
+        if history:
+            out.append(("rapidfire_experiment_score", float(history[-1]["score"]), tags))
+            out.append(("rapidfire_experiment_train_loss", float(history[-1]["train_loss"]), tags))
+    return out
+
+
+def record_experiment(board: dict) -> None:
+    for name, value, tags in experiment_gauges(board):
+        _Instruments.get(name).set(value, tags=tags)
