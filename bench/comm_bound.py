@@ -698,7 +698,7 @@ def tcp_overhead(mtu: int) -> float:
 
 def model_rows(node_results: list[dict], params: int, codec_gbps: float) -> list[dict]:
     """The shaped runs in `bench/scaling_model.py check` format."""
-    split = {"compressed_1bit": codec_params(True)}
+    split = {"compressed_1bit": codec_params(True), "compressed_1bit_sync": codec_params(True)}
     rows = []
     for nr in node_results:
         for v, m in nr["runs"].items():

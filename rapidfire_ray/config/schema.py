@@ -347,6 +347,9 @@ class CommunicationSection:
     overlap: bool = field(True, "allreduce_compressed: encode and send each gradient bucket on a thread of its own "
                                 "(CUDA: a side stream) while backward computes the next ones; false: in the "
                                 "backward thread, one bucket at a time")
+    bucket_cap_mb: Optional[float] = field(None, "DDP gradient bucket size in MB (null: torch's 25); smaller "
+                                                 "buckets start exchanging earlier in backward, more of them cost "
+                                                 "more calls", range=(0.001, None))
     ps: ParameterServerSection = section(ParameterServerSection)
 
 

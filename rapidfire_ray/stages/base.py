@@ -64,6 +64,7 @@ def trainer_args(config_cls, cfg: dict, output_dir: str, use_cpu: bool, **overri
         ignore_data_skip=True,
         remove_unused_columns=False,
         ddp_find_unused_parameters=False,
+        ddp_bucket_cap_mb=cfg["communication"]["bucket_cap_mb"],
         save_only_model=False,
     )
     args.update(overrides)
