@@ -9,6 +9,10 @@ one. Used by `bench/parameter_server.py` (straggler) and the staleness tests.
 RAPIDFIRE_INJECT_CRASH="STAGE:STEP": in a run of train.stage STAGE, rank 0 raises
 `InjectedCrash` when it starts optimizer step STEP (an interruption, e.g. to test that a pipeline
 resumes at the stage where it stopped).
+
+RAPIDFIRE_INJECT_KILL_SLOT="CONFIG:CHUNK[:TIMES][,...]": in an experiment, the driver kills the
+slot actor (`ray.kill`) right after handing it config CONFIG's chunk CHUNK (1-based), the first
+TIMES times (default 1): a slot lost mid-chunk, as a dead node makes one.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from .errors import RapidfireError
 
 SLOW_RANKS = "RAPIDFIRE_INJECT_SLOW_RANKS"
 CRASH = "RAPIDFIRE_INJECT_CRASH"
+KILL_SLOT = "RAPIDFIRE_INJECT_KILL_SLOT"
 ENV_KEYS = (SLOW_RANKS, CRASH)
 
 
@@ -57,6 +62,20 @@ def crash_step(stage: str, rank: int, environ=os.environ) -> int | None:
     if not sep or not step.strip().isdigit() or int(step) < 1:
         raise RapidfireError(f"{CRASH}={text!r}: expected STAGE:STEP with STEP >= 1 (e.g. reward:3)")
     return int(step) if where.strip() == stage and rank == 0 else None
+
+
+def slot_kills(environ=os.environ) -> dict[tuple[str, int], int]:
+    """(config id, chunk) -> how many times its slot is killed (RAPIDFIRE_INJECT_KILL_SLOT)."""
+    text = environ.get(KILL_SLOT, "")
+    out: dict[tuple[str, int], int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        parts = item.split(":")
+        ok = len(parts) in (2, 3) and parts[0] and all(x.isdigit() and int(x) >= 1 for x in parts[1:])
+        if not ok:
+            raise RapidfireError(f"{KILL_SLOT}={text!r}: '{item}' is not CONFIG:CHUNK[:TIMES] with CHUNK, TIMES "
+                                 ">= 1 (e.g. c0:2 kills c0's slot in chunk 2 once)")
+        out[(parts[0], int(parts[1]))] = int(parts[2]) if len(parts) == 3 else 1
+    return out
 
 
 def worker_env(environ=os.environ) -> dict[str, str]:

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from ..atomic import atomic_write_json
 from ..config import load_config
 from ..errors import RapidfireError
+from ..faults import KILL_SLOT, slot_kills
 from ..log import say, warn
 from . import ops
 from .control import start_controller
@@ -184,6 +185,7 @@ class _Experiment:
         self.lost: dict[str, int] = {}
         self.tracker = None  # tracking.MlflowTracker
         self.t0 = time.time()  # the experiment's start (records' at_s)
+        self.kills = slot_kills()  # injected slot losses (faults.py), counted down
 
     def add(self, cand: Candidate, previous: dict | None = None, chunks_done: int = 0, state=None,
             warm_from: str | None = None) -> None:
@@ -257,6 +259,10 @@ class _Experiment:
             info["plain"], self.states[cid], self.data.chunk_refs[chunk], self.data.eval_ref, info["total_steps"],
             self.state_path(cid, chunk + 1))
         self.inflight[rec_ref] = (slot_index, cid, chunk, state_ref, time.time())
+        if self.kills.get((cid, chunk + 1)):
+            self.kills[(cid, chunk + 1)] -= 1
+            warn(f"injected fault ({KILL_SLOT}): killing the slot training {cid} chunk {chunk + 1}")
+            ray.kill(self.slots[slot_index])
 
     def collect(self, ref) -> int:
         slot_index, cid, chunk, state_ref, t0 = self.inflight.pop(ref)

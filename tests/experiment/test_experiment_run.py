@@ -162,3 +162,22 @@ def test_pbt_replaces_the_worse_config_by_a_warm_perturbed_clone(ray_cluster, tm
     (logged,) = summary["ctl_log"]
     assert logged["who"] == "policy pbt (replaces c0)" and logged["result"].startswith("cloned as c2")
     assert not (tmp_path / "exp-pbt" / "mlflow.db").exists()  # experiment.tracking: none
+
+
+def test_a_slot_killed_mid_chunk_retrains_from_the_last_boundary_and_twice_fails_the_config(
+        ray_cluster, tmp_path, monkeypatch, capsys):
+    # c0 and c1 are the same config; c0's slot dies in chunk 2, c2's twice in chunk 1
+    monkeypatch.setenv("RAPIDFIRE_INJECT_KILL_SLOT", "c0:2,c2:1:2")
+    summary = rapidfire_ray.experiment(PROFILE, overrides={
+        "run.output_dir": str(tmp_path), "run.name": "exp-kill", "experiment.tracking": "none",
+        "experiment.num_slots": 1, "experiment.search.optimizer.params.lr": [3e-3, 3e-3, 1e-2]})
+    configs = {c["id"]: c for c in summary["configs"]}
+    c0, c1, c2 = configs["c0"], configs["c1"], configs["c2"]
+    assert c0["state"] == c1["state"] == "done" and [h["chunk"] for h in c0["history"]] == [1, 2]
+    # retrained from the chunk-1 state on storage: the same numbers as the twin never interrupted
+    for a, b in zip(c0["history"], c1["history"]):
+        assert (a["eval_loss"], a["train_loss"], a["step"]) == (b["eval_loss"], b["train_loss"], b["step"])
+    assert c2["state"] == "failed" and "its slot was lost 2 time(s)" in c2["reason"] and c2["chunks_done"] == 0
+    printed = "".join(capsys.readouterr())
+    assert "config c0: its slot was lost 1 time(s)" in printed and "chunk 2 runs again from its last boundary" in printed
+    assert summary["status"] == "completed"
