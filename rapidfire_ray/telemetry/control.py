@@ -22,8 +22,6 @@ import time
 
 import ray
 
-from transformers import TrainerCallback
-
 from ..config import worker_range
 from ..log import say, warn
 
@@ -274,22 +272,6 @@ class KnobClient:
                 self.on_apply(dict(self.values))
         if report:
             self.control.applied.remote(self.rank, change["index"], step)
-
-
-class LiveKnobs(TrainerCallback):
-    """The trainer callback of a worker's `KnobClient`: every change so far at the start, due
-    changes after each step (they apply to the next one)."""
-
-    def __init__(self, knobs: KnobClient, memory_limit_bytes: int | None = None):
-        self.knobs = knobs
-        self.memory_limit_bytes = memory_limit_bytes
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.knobs.begin(state.global_step, self.memory_limit_bytes)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.knobs.step_end(state.global_step)
-        return control
 
 
 def change_line(change: dict) -> str:

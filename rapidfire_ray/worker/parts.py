@@ -24,7 +24,8 @@ from ..models.lora import CAUSAL_LM, SEQ_CLS
 from ..preemption import PreemptionCheck
 from ..stages.reward import build_reward_trainer, reward_args
 from ..stages.sft import build_sft_trainer, sft_args
-from ..telemetry.control import KnobClient, LiveKnobs
+from ..telemetry.control import KnobClient
+from ..telemetry.live_knobs import LiveKnobs
 from ..telemetry.metrics import WorkerMetrics
 from ..telemetry.recorder import StepRecorder
 from ..telemetry.rules import CODEC_KNOB
