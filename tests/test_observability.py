@@ -424,46 +424,20 @@ def test_comm_latency_rule_switches_the_codec_live_on_every_worker_at_the_same_s
 
 def test_parameter_server_shards_export_their_updates_and_staleness(ray_cluster):
     """Shard actors of a run (named rapidfire-ps-<run>-<i>, as ps.driver starts them) record their
-    applied updates; a client pushes a few real gradients."""
+    applied updates; a client pushes a few real gradients. Seconds after the last push (more than
+    the two report intervals Ray keeps a gauge that is not set again) one scrape still shows each
+    shard's final version: an idle shard's gauges stay on the endpoint while it lives."""
     import ray
     import torch
 
     from rapidfire_ray.ps import PSClient, launch_shards
+    from rapidfire_ray.telemetry.metrics import report_interval_s
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
     shards, _, pinned = launch_shards(model.named_parameters(), 2, name_prefix="rapidfire-ps-observe-ps",
                                       max_staleness=2)
     try:
-        # A gauge stays on the endpoint for two report intervals after its last export (Ray's TTL), and a
-        # shard exports its version when it changes: scrape from before the first push, keep what was seen.
-        seen: set = set()
-
-        def wanted(shard):
-            return {("updates_total", shard, "5.0"), ("version", shard, "5.0"), ("staleness_count", shard, None)}
-
-        def done():
-            return all(wanted(shard) <= seen for shard in ("0", "1"))
-
-        deadline = time.time() + 90
-
-        def scrape():
-            pattern = re.compile(r'^ray_rapidfire_ps_shard_(updates_total|version|staleness_count)\{(.*)\} (\S+)$')
-            while time.time() < deadline and not done():
-                try:
-                    text = _scrape()
-                except OSError:
-                    text = ""
-                for line in text.splitlines():
-                    m = pattern.match(line)
-                    if m and 'run="observe-ps"' in m.group(2):
-                        shard = re.search(r'shard="(\d+)"', m.group(2)).group(1)
-                        seen.add((m.group(1), shard, m.group(3)))
-                        seen.add((m.group(1), shard, None))
-                time.sleep(0.25)
-
-        scraper = threading.Thread(target=scrape, daemon=True)
-        scraper.start()
         client = PSClient(model.named_parameters(), shards, max_staleness=2, worker_id="w0")
         client.sync()
         x = torch.randn(32, 8)
@@ -472,9 +446,23 @@ def test_parameter_server_shards_export_their_updates_and_staleness(ray_cluster)
             model(x).pow(2).mean().backward()
             client.push_and_pull({n: p.grad for n, p in model.named_parameters()})
         client.finish()
-        scraper.join(timeout=max(1.0, deadline - time.time()))
-        for shard in ("0", "1"):
-            assert wanted(shard) <= seen, (shard, sorted(k for k in seen if k[1] == shard))
+        time.sleep(3 * report_interval_s())
+        pattern = re.compile(r'^ray_rapidfire_ps_shard_(updates_total|version|staleness_count)\{(.*)\} (\S+)$')
+        wanted = {(name, shard, value) for shard in ("0", "1")
+                  for name, value in (("updates_total", "5.0"), ("version", "5.0"), ("staleness_count", "5.0"))}
+        deadline, seen = time.time() + 60, set()
+        while not wanted <= seen and time.time() < deadline:
+            try:
+                text = _scrape()
+            except OSError:
+                text = ""
+            seen = set()  # one scrape must hold them all
+            for line in text.splitlines():
+                m = pattern.match(line)
+                if m and 'run="observe-ps"' in m.group(2):
+                    seen.add((m.group(1), re.search(r'shard="(\d+)"', m.group(2)).group(1), m.group(3)))
+            time.sleep(0.5)
+        assert wanted <= seen, sorted(seen)
     finally:
         for s in shards:
             ray.kill(s)

@@ -9,7 +9,8 @@ config's latest numbers whenever the driver publishes the leaderboard (`record_e
 as `ray_rapidfire_x` (counters: `ray_rapidfire_x_total`), with our labels plus Ray's own
 (`SessionName`, `NodeAddress`, `Component`, `Version`, ...), on every node's metrics export port
 (`ray.nodes()[i]["MetricsExportPort"]`), about `metrics_report_interval_ms` (default 10 s)
-after they are recorded. Gauges of a process that ended disappear after two report intervals.
+after they are recorded. A gauge keeps its last value on the endpoint while its process lives
+(set again every report interval); a process that ended loses its series two intervals later.
 
 `METRICS` is the catalogue: the README's table, the Grafana dashboard and the tests come from it.
 """
@@ -138,6 +139,47 @@ class _Instruments:
             cls._made = made
         return cls._made[name]
 
+    # Ray 2.60 drops a gauge series from the endpoint two report intervals after its last `set`,
+    # even while its process lives (measured: a gauge set once by a live actor is gone 3 s later at
+    # a 1 s interval). A shard's version, a knob or a config's score changes rarely: Prometheus
+    # would scrape nothing between changes. So every gauge series this process set is set again
+    # each report interval, until the process ends (then Ray ages it out as before).
+    _last: dict = {}
+    _lock = None
+    _keeper = None
+
+    @classmethod
+    def set_gauge(cls, name: str, value: float, tags: dict) -> None:
+        import threading
+
+        if cls._lock is None:
+            cls._lock = threading.Lock()
+        with cls._lock:
+            cls._last[(name, tuple(sorted(tags.items())))] = value
+            cls.get(name).set(value, tags=tags)
+            if cls._keeper is None:
+                cls._keeper = threading.Thread(target=cls._keep, name="rapidfire-gauges", daemon=True)
+                cls._keeper.start()
+
+    @classmethod
+    def _keep(cls) -> None:
+        interval = report_interval_s()
+        while True:
+            time.sleep(interval)
+            with cls._lock:
+                for (name, tags), value in cls._last.items():
+                    cls.get(name).set(value, tags=dict(tags))
+
+
+def report_interval_s() -> float:
+    """How often Ray exports this process's metrics: metrics_report_interval_ms, at least 1 s."""
+    try:
+        import ray
+
+        return max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+    except Exception:  # noqa: BLE001 -- Ray's private config moved: its documented default
+        return 10.0
+
 
 def node_label() -> str:
     """The node's IP address (what Ray's own NodeAddress label shows)."""
@@ -189,7 +231,7 @@ class WorkerMetrics:
 
     def _gauge(self, name: str, value, **extra) -> None:
         if value is not None:
-            _Instruments.get(name).set(float(value), tags={**self.tags, **extra})
+            _Instruments.set_gauge(name, float(value), {**self.tags, **extra})
 
     def _count(self, name: str, value) -> None:
         if value:
@@ -255,7 +297,7 @@ class ShardMetrics:
 
     def update(self, version: int, staleness: int) -> None:
         _Instruments.get("rapidfire_ps_shard_updates").inc(1.0, tags=self.tags)
-        _Instruments.get("rapidfire_ps_shard_version").set(float(version), tags=self.tags)
+        _Instruments.set_gauge("rapidfire_ps_shard_version", float(version), self.tags)
         _Instruments.get("rapidfire_ps_shard_staleness").observe(float(staleness), tags=self.tags)
 
 
@@ -281,4 +323,4 @@ def experiment_gauges(board: dict) -> list[tuple[str, float, dict]]:
 
 def record_experiment(board: dict) -> None:
     for name, value, tags in experiment_gauges(board):
-        _Instruments.get(name).set(value, tags=tags)
+        _Instruments.set_gauge(name, value, tags)
