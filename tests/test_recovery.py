@@ -1,5 +1,5 @@
-"""Fault tolerance: checkpoint manifests (a truncated checkpoint is detected and the previous one
-used), a worker process killed mid-run (Ray Train restarts the group, which resumes from the last
+"""Fault tolerance: checkpoint manifests (a truncated checkpoint is detected, set aside and the
+previous one used), a worker process killed mid-run (Ray Train restarts the group, which resumes from the last
 checkpoint), and the sample accounting of what a failure cost."""
 from __future__ import annotations
 
@@ -134,35 +134,6 @@ def _steps(run_dir):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow
-def test_a_truncated_checkpoint_is_detected_and_the_previous_one_used(ray_cluster, tmp_path, capsys):
-    from rapidfire_ray.config import load_config
-    from rapidfire_ray.driver import run
-
-    base = {"run.output_dir": str(tmp_path), "checkpoint.every_steps": 2, "checkpoint.keep": 3}
-    first = run(load_config(TINY, {**base, "train.max_steps": 4}))
-    run_dir = tmp_path / "tiny"
-    assert first["steps"] == 4 and first["recovery"]["restarts"] == 0
-    ckpts = sorted(p.name for p in run_dir.glob("checkpoint-*"))
-    assert ckpts == ["checkpoint-00000002", "checkpoint-00000004"], ckpts
-    manifests = sorted(p.name for p in (run_dir / "checkpoint-00000004").glob("manifest-rank*.json"))
-    assert manifests == ["manifest-rank0.json", "manifest-rank1.json"]
-    model = run_dir / "checkpoint-00000004" / "model.safetensors"
-    size = model.stat().st_size
-    with open(model, "r+b") as f:  # what a crash in the middle of writing it leaves
-        f.truncate(size // 2)
-    capsys.readouterr()
-    second = run(load_config(TINY, {**base, "train.max_steps": 6}), resume=True)
-    out = capsys.readouterr().out
-    line = (f"checkpoint checkpoint-00000004 failed verification (model.safetensors is {size // 2} bytes, {size} "
-            "expected); resuming from checkpoint-00000002 instead")
-    assert line in out
-    assert second["recovery"]["checkpoint_fallback"].startswith(line + "; the damaged folder is kept as "
-                                                                "checkpoint-00000004.damaged-")
-    assert second["steps"] == 6
-    assert sorted({r["step"] for r in _steps(run_dir)}) == [3, 4, 5, 6]  # resumed after step 2
-
-
 def _on_disk_and_in_rays_record(run_dir):
     from rapidfire_ray.checkpoints.ledger import entry_names, latest_name, read_snapshot
 
@@ -189,14 +160,17 @@ def test_resumes_after_a_damaged_checkpoint_keep_rays_record_and_the_disk_in_agr
     assert _on_disk_and_in_rays_record(run_dir) == ([f"checkpoint-0000000{s}" for s in (2, 4, 6)],
                                                     [f"checkpoint-0000000{s}" for s in (2, 4, 6)],
                                                     "checkpoint-00000006")
-    with open(run_dir / "checkpoint-00000006" / "optimizer.pt", "r+b") as f:
+    manifests = sorted(p.name for p in (run_dir / "checkpoint-00000006").glob("manifest-rank*.json"))
+    assert manifests == ["manifest-rank0.json", "manifest-rank1.json"]
+    size = (run_dir / "checkpoint-00000006" / "optimizer.pt").stat().st_size
+    with open(run_dir / "checkpoint-00000006" / "optimizer.pt", "r+b") as f:  # what a crash mid-write leaves
         f.truncate(100)
     capsys.readouterr()
     second = run(load_config(TINY, {**base, "train.max_steps": 8}), resume=True)
     out = capsys.readouterr().out
     rec = second["recovery"]
     [damaged] = rec["damaged_checkpoints"]
-    assert damaged["checkpoint"] == "checkpoint-00000006" and damaged["reason"].startswith("optimizer.pt is 100 bytes")
+    assert damaged["checkpoint"] == "checkpoint-00000006" and damaged["reason"] == f"optimizer.pt is 100 bytes, {size} expected"
     assert damaged["kept_as"].startswith("checkpoint-00000006.damaged-") and (run_dir / damaged["kept_as"]).is_dir()
     line = (f"checkpoint checkpoint-00000006 failed verification ({damaged['reason']}); resuming from "
             f"checkpoint-00000004 instead; the damaged folder is kept as {damaged['kept_as']}")
