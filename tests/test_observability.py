@@ -482,3 +482,16 @@ def test_experiment_gauges_per_config_from_the_leaderboard():
     assert got == [("rapidfire_experiment_chunks_done", 2.0, tags0), ("rapidfire_experiment_score", 2.5, tags0),
                    ("rapidfire_experiment_train_loss", 2.75, tags0), ("rapidfire_experiment_chunks_done", 0.0, tags1)]
     assert all(set(tags) == set(BY_NAME[name].labels) for name, _, tags in got)
+
+
+def test_a_deleted_configs_gauges_are_no_longer_kept():
+    from rapidfire_ray.telemetry.metrics import _Instruments, record_experiment
+
+    def kept():
+        return {(name, dict(tags)["config"]) for name, tags in _Instruments._last if dict(tags).get("experiment") == "exp-del"}
+
+    row = {"state": "running", "chunks_done": 1, "history": [{"score": 2.0, "train_loss": 2.5}]}
+    record_experiment({"name": "exp-del", "configs": [{"id": "a", **row}, {"id": "b", **row}]})
+    assert {c for _, c in kept()} == {"a", "b"}
+    record_experiment({"name": "exp-del", "configs": [{"id": "a", **row}, {"id": "b", **row, "state": "deleted"}]})
+    assert {c for _, c in kept()} == {"a"} and len(kept()) == 3

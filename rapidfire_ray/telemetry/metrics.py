@@ -17,6 +17,7 @@ after they are recorded. A gauge keeps its last value on the endpoint while its 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -145,21 +146,25 @@ class _Instruments:
     # would scrape nothing between changes. So every gauge series this process set is set again
     # each report interval, until the process ends (then Ray ages it out as before).
     _last: dict = {}
-    _lock = None
+    _lock = threading.Lock()
     _keeper = None
 
     @classmethod
     def set_gauge(cls, name: str, value: float, tags: dict) -> None:
-        import threading
-
-        if cls._lock is None:
-            cls._lock = threading.Lock()
         with cls._lock:
             cls._last[(name, tuple(sorted(tags.items())))] = value
             cls.get(name).set(value, tags=tags)
             if cls._keeper is None:
                 cls._keeper = threading.Thread(target=cls._keep, name="rapidfire-gauges", daemon=True)
                 cls._keeper.start()
+
+    @classmethod
+    def forget_gauges(cls, tags: dict, keep: set) -> None:
+        """Stop setting again the series whose tags include `tags`, except the (name, tags) in
+        `keep`: Ray then ages them out (an experiment's deleted config)."""
+        with cls._lock:
+            for key in [k for k in cls._last if set(tags.items()) <= set(k[1]) and k not in keep]:
+                del cls._last[key]
 
     @classmethod
     def _keep(cls) -> None:
@@ -322,5 +327,8 @@ def experiment_gauges(board: dict) -> list[tuple[str, float, dict]]:
 
 
 def record_experiment(board: dict) -> None:
-    for name, value, tags in experiment_gauges(board):
+    gauges = experiment_gauges(board)
+    _Instruments.forget_gauges({"experiment": board["name"]},
+                               keep={(name, tuple(sorted(tags.items()))) for name, _, tags in gauges})
+    for name, value, tags in gauges:
         _Instruments.set_gauge(name, value, tags)
