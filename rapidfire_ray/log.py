@@ -149,9 +149,12 @@ def _hide_notices(record: logging.LogRecord) -> bool:
 # What a quiet run lets through from its worker processes' output (Ray forwards their stdout and
 # stderr line by line): our own lines, errors and tracebacks, and warnings.
 _KEEP = re.compile(r"\[rapidfire\]|Traceback|Error|Exception|^\s+(File |raise |\^)|warning", re.IGNORECASE)
-# Chatter that matches _KEEP's words all the same.
+# Chatter that matches _KEEP's words all the same: a core worker's note on actor arguments, and the
+# raylet's note that it started more worker processes than its start-up concurrency (a run's ~9
+# actors and Ray Data's tasks on a small machine; nothing a user can act on).
 _DROP = re.compile(r"^\[[\d\- :,]+ [IE] \d+ \d+\] \w+\.cc:\d+: (Actor with class name: '\w+' .* has constructor "
-                   r"arguments in the object store)")
+                   r"arguments in the object store)"
+                   r"|^WARNING: \d+ PYTHON worker processes have been started on node")
 
 
 # Ray Train's background actors. With several Ray instances on one host (a test suite beside a
@@ -178,8 +181,21 @@ def filter_worker_output() -> None:
     if "ray_print_logs" not in names:
         return
     dispatcher.remove_handler("ray_print_logs")
+    print_to_stdstream = getattr(ray_worker.print_to_stdstream, "_rapidfire_original", ray_worker.print_to_stdstream)
     ignore_prefix = ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker)
-    show = functools.partial(ray_worker.print_to_stdstream, ignore_prefix=ignore_prefix)
+    show = functools.partial(print_to_stdstream, ignore_prefix=ignore_prefix)
+
+    # The raylet's messages to the driver (a worker killed for memory, one that died, its worker
+    # pool's start-up note) reach the same printer from Ray's error listener: all but _DROP's.
+    def print_raylet_filtered(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            data = {**data, "lines": [line for line in data.get("lines", []) if not _DROP.search(line)]}
+            if not data["lines"]:
+                return
+        print_to_stdstream(data, ignore_prefix=ignore_prefix)
+
+    print_raylet_filtered._rapidfire_original = print_to_stdstream
+    ray_worker.print_to_stdstream = print_raylet_filtered
 
     def filtered(data: dict) -> None:
         if data.get("actor_name") in RAY_BACKGROUND_ACTORS:
