@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 
@@ -143,7 +144,7 @@ def test_successive_halving_and_live_ctl_ops(ray_cluster, tmp_path):
 
 
 
-def test_pbt_replaces_the_worse_config_by_a_warm_perturbed_clone(ray_cluster, tmp_path):
+def test_pbt_replaces_the_worse_config_by_a_warm_perturbed_clone_and_resumes_it_exactly(ray_cluster, tmp_path):
     summary = rapidfire_ray.experiment(PROFILE, overrides={
         "run.output_dir": str(tmp_path), "run.name": "exp-pbt", "experiment.policy": "pbt",
         "experiment.quantile": 0.5, "experiment.tracking": "none", "experiment.num_slots": 1,
@@ -162,6 +163,37 @@ def test_pbt_replaces_the_worse_config_by_a_warm_perturbed_clone(ray_cluster, tm
     (logged,) = summary["ctl_log"]
     assert logged["who"] == "policy pbt (replaces c0)" and logged["result"].startswith("cloned as c2")
     assert not (tmp_path / "exp-pbt" / "mlflow.db").exists()  # experiment.tracking: none
+    folder = tmp_path / "exp-pbt"
+    assert (folder / "configs" / "c2" / "state-chunk1.pt").is_file()  # the clone's own copy of c1's boundary
+
+    # --resume after a crash right after both configs' chunk 1 was counted, before the cut: the
+    # summary on storage has no cut and no clone (cut and clone happen in one loop turn, before the
+    # next write). The cut is made again, the same warm clone (same id, same perturbed values) starts
+    # from c1's chunk-1 state read back from storage, and every number comes out as before.
+    crashed = json.loads(json.dumps(summary))
+    crashed.update(status="interrupted", cuts=[], ctl_log=[], best=None)
+    crashed["configs"] = [c for c in crashed["configs"] if c["id"] != "c2"]
+    for c in crashed["configs"]:
+        c.update(state="running", chunks_done=1, history=c["history"][:1], score=c["history"][0]["score"],
+                 reason=None)
+    (folder / "experiment_summary.json").write_text(json.dumps(crashed))
+    (folder / "configs" / "c1" / "state-chunk2.pt").unlink()
+    shutil.rmtree(folder / "configs" / "c2")
+    (folder / "ctl_log.jsonl").unlink()
+    again = rapidfire_ray.experiment(PROFILE, resume=True, overrides={
+        "run.output_dir": str(tmp_path), "run.name": "exp-pbt", "experiment.policy": "pbt",
+        "experiment.quantile": 0.5, "experiment.tracking": "none", "experiment.num_slots": 1,
+        "experiment.search.optimizer.params.lr": [1e-3, 1e-2]})
+    assert again["status"] == "completed" and again["cuts"] == summary["cuts"]
+    after = {c["id"]: c for c in again["configs"]}
+    assert set(after) == {"c0", "c1", "c2"} and after["c0"]["state"] == "stopped"
+    assert after["c2"]["values"] == clone["values"] and after["c2"]["warm_from"] == "c1"
+    for cid in ("c1", "c2"):
+        assert [(h["chunk"], h["step"], h["eval_loss"], h["train_loss"]) for h in after[cid]["history"]] == [
+            (h["chunk"], h["step"], h["eval_loss"], h["train_loss"]) for h in configs[cid]["history"]], cid
+    (logged,) = again["ctl_log"]
+    assert logged["who"] == "policy pbt (replaces c0)" and logged["result"] == summary["ctl_log"][0]["result"]
+    assert len((folder / "ctl_log.jsonl").read_text().splitlines()) == 1
 
 
 def test_a_slot_killed_mid_chunk_retrains_from_the_last_boundary_and_twice_fails_the_config(
