@@ -37,30 +37,16 @@ class ConfigRun:
     def __init__(self, base: torch.nn.Module, cfg: dict, total_steps: int, state: dict | None = None,
                  device: str = "cpu"):
         self.cfg, self.device = cfg, device
-        t, o = cfg["train"], cfg["optimizer"]["params"]
         if state is None:
             torch.manual_seed(cfg["run"]["seed"])  # the adapter's init, then its dropout, from the config's seed
         self.model = apply_lora(base, cfg["model"]["lora"], CAUSAL_LM, cfg["model"]["name"])
         self.model.train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
-                                           weight_decay=o["weight_decay"])
-        self.schedule = [o["lr"], t["lr_scheduler"], t["warmup_steps"], max(1, total_steps)]
+        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg)
         self.step = 0
         if state is not None:
             self._restore_weights(state)
-        from transformers import get_scheduler
-
-        self.scheduler = get_scheduler(t["lr_scheduler"], self.optimizer, num_warmup_steps=t["warmup_steps"],
-                                       num_training_steps=max(1, total_steps))
+        self.scheduler, self.schedule = make_scheduler(self.optimizer, cfg, total_steps, state)
         if state is not None:
-            if state.get("schedule") == self.schedule:
-                self.scheduler.load_state_dict(state["scheduler"])
-                for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-                    group["lr"] = lr  # (load_state_dict restores the schedule's position, not the groups' lr)
-            else:  # a warm clone with other values: this config's schedule, at the parent's step
-                for _ in range(self.step):
-                    self.scheduler.step()
             torch.set_rng_state(state["rng"])
 
     def _restore_weights(self, state: dict) -> None:
@@ -69,11 +55,7 @@ class ConfigRun:
         unexpected = set_peft_model_state_dict(self.model, state["adapter"]).unexpected_keys
         if unexpected:
             raise ValueError(f"adapter state does not fit this config's LoRA ({len(unexpected)} unexpected keys)")
-        self.optimizer.load_state_dict(state["optimizer"])
-        o = self.cfg["optimizer"]["params"]
-        for group in self.optimizer.param_groups:  # the moments are the state's; the values are this config's
-            group.update(lr=o["lr"], initial_lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
-                         weight_decay=o["weight_decay"])
+        restore_optimizer(self.optimizer, state, self.cfg)
         self.step = state["step"]
 
     def state(self) -> dict:
@@ -129,6 +111,42 @@ class ConfigRun:
         finally:
             self.model.train()
         return total / max(1, items)
+
+
+def make_optimizer(params: list, cfg: dict) -> torch.optim.Optimizer:
+    """A config's optimizer over its adapter's parameters: torch AdamW with its values."""
+    o = cfg["optimizer"]["params"]
+    return torch.optim.AdamW(params, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"])
+
+
+def restore_optimizer(optimizer, state: dict, cfg: dict) -> None:
+    """The state's AdamW moments, with this config's values (a warm clone's may differ)."""
+    optimizer.load_state_dict(state["optimizer"])
+    o = cfg["optimizer"]["params"]
+    for group in optimizer.param_groups:
+        group.update(lr=o["lr"], initial_lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                     weight_decay=o["weight_decay"])
+
+
+def make_scheduler(optimizer, cfg: dict, total_steps: int, state: dict | None):
+    """(transformers' LR schedule for this config, its description). From a state: at the state's
+    position (its own schedule), or this config's schedule stepped to the state's step (a warm
+    clone with other values)."""
+    from transformers import get_scheduler
+
+    t, o = cfg["train"], cfg["optimizer"]["params"]
+    schedule = [o["lr"], t["lr_scheduler"], t["warmup_steps"], max(1, total_steps)]
+    scheduler = get_scheduler(t["lr_scheduler"], optimizer, num_warmup_steps=t["warmup_steps"],
+                              num_training_steps=max(1, total_steps))
+    if state is not None:
+        if state.get("schedule") == schedule:
+            scheduler.load_state_dict(state["scheduler"])
+            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr  # (load_state_dict restores the schedule's position, not the groups' lr)
+        else:
+            for _ in range(state["step"]):
+                scheduler.step()
+    return scheduler, schedule
 
 
 def _summed_loss(model, batch: dict, device: str) -> torch.Tensor:
@@ -209,8 +227,46 @@ class Slot:
         finally:
             self.base = run.release()
         swap_out = time.perf_counter() - t3
-        record = {"steps": len(losses), "step": run.step, "train_loss": losses[-1] if losses else None,
-                  "eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)), "train_s": train_s,
-                  "eval_s": eval_s, "swap_in_s": swap_in, "swap_out_s": swap_out, "state_bytes": len(data),
-                  "pid": os.getpid()}
-        return record, data
+        return _record(losses, run.step, eval_loss, train_s, eval_s, swap_in, swap_out, len(data)), data
+
+    def train_group(self, cfgs: list[dict], states: list, rows: list[dict], eval_rows: list[dict],
+                    totals: list[int], state_paths: list) -> list:
+        """train_chunk for k co-batched configs in one pass (cobatch.CoBatchRun): k records, then k
+        state bytes. The group's train, eval and swap times are shared equally by its records."""
+        from .cobatch import CoBatchRun
+
+        k = len(cfgs)
+        t0 = time.perf_counter()
+        try:
+            run = CoBatchRun(self.base, cfgs, totals, [loads(s) if s is not None else None for s in states],
+                             self.device)
+        except BaseException:
+            self.base = load_model(self.model_name).to(self.device)  # the layers may be half replaced
+            raise
+        swap_in = time.perf_counter() - t0
+        try:
+            t1 = time.perf_counter()
+            losses = run.train_rows(rows, self.pad_id)
+            train_s = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            eval_losses = run.evaluate(eval_rows, self.pad_id)
+            eval_s = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            blobs = [dumps(run.state(j)) for j in range(k)]
+            for path, data in zip(state_paths, blobs):
+                if path:
+                    write_state(path, data)
+        finally:
+            self.base = run.release()
+        swap_out = time.perf_counter() - t3
+        records = [{**_record(losses[j], run.steps[j], eval_losses[j], train_s / k, eval_s / k, swap_in / k,
+                              swap_out / k, len(blobs[j])), "co_batch": k} for j in range(k)]
+        return records + blobs
+
+
+def _record(losses: list[float], step: int, eval_loss: float, train_s: float, eval_s: float, swap_in: float,
+            swap_out: float, state_bytes: int) -> dict:
+    return {"steps": len(losses), "step": step, "train_loss": losses[-1] if losses else None,
+            "eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)), "train_s": train_s,
+            "eval_s": eval_s, "swap_in_s": swap_in, "swap_out_s": swap_out, "state_bytes": state_bytes,
+            "pid": os.getpid()}
