@@ -11,6 +11,7 @@ config's new records logged to MLflow, tracking.py).
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -24,6 +25,7 @@ from ..errors import RapidfireError
 from ..faults import KILL_SLOT, slot_kills
 from ..log import say, warn
 from . import ops
+from .cobatch import cobatch_key
 from .control import start_controller
 from .scheduler import FAILED, ChunkScheduler
 from .slot import Slot, steps_for
@@ -62,13 +64,14 @@ def run_experiment(profile, overrides=(), *, address: str | None = None, resume:
         run.add(cand, previous)
     valid = [c for c in candidates if c.error is None]
     slots = spec.num_slots or _fitting_slots(spec)
-    slots = max(1, min(slots, len(valid) or 1))
+    slots = max(1, min(slots, math.ceil(len(valid) / spec.co_batch) or 1))
     res = spec.resources
     slot_cls = ray.remote(Slot).options(num_cpus=cpu_share(res.cpus), num_gpus=res.gpus, max_concurrency=1)
     run.slot_factory = lambda: slot_cls.remote(base_cfg.model.name, max(1, int(res.cpus)), res.gpus > 0)
     say(f"experiment {exp.name}: {len(candidates)} config(s) ({len(valid)} valid), {spec.num_chunks} chunk(s) of "
         f"~{len(data.chunks[0])} rows, held-out {len(data.eval_rows)} rows scored on {spec.metric}, policy "
-        f"{spec.policy}, {slots} slot(s) of {res.cpus:g} CPU {res.gpus:g} GPU; folder {folder}")
+        f"{spec.policy}, {slots} slot(s) of {res.cpus:g} CPU {res.gpus:g} GPU"
+        f"{f', up to {spec.co_batch} configs co-batched per slot' if spec.co_batch > 1 else ''}; folder {folder}")
     controller = start_controller(exp.name)
     run.controller = controller
     status, error = "completed", None
@@ -200,6 +203,7 @@ class _Experiment:
         cfg = OmegaConf.to_container(cand.cfg, resolve=True)
         self.info[cand.id]["plain"] = cfg
         self.info[cand.id]["total_steps"] = sum(steps_for(len(c), cfg) for c in self.data.chunks)
+        self.info[cand.id]["cobatch_key"] = cobatch_key(cfg)
         if old:
             chunks_done = old.get("chunks_done", 0)
             path = self.state_path(cand.id, chunks_done)
@@ -237,8 +241,8 @@ class _Experiment:
                 say(f"config {cid} stopped: {self.sched.configs[cid].reason}")
             for ask in self.sched.take_exploits():
                 ops.exploit(self, ask)
-            while free and (pair := self.sched.next_pair()) is not None:
-                self.launch(free.pop(0), *pair)
+            while free and (got := self.sched.next_group(self.exp.spec.co_batch, self.group_key)) is not None:
+                self.launch(free.pop(0), *got)
             if not self.inflight:
                 if self.sched.idle() and not self.pending_ops:
                     ops.apply_pending(self)  # ops that arrived at the very end (e.g. a resume) still count
@@ -253,53 +257,79 @@ class _Experiment:
                 self.publish()
                 last_publish = time.time()
 
-    def launch(self, slot_index: int, cid: str, chunk: int) -> None:
-        info = self.info[cid]
-        rec_ref, state_ref = self.slots[slot_index].train_chunk.options(num_returns=2).remote(
-            info["plain"], self.states[cid], self.data.chunk_refs[chunk], self.data.eval_ref, info["total_steps"],
-            self.state_path(cid, chunk + 1))
-        self.inflight[rec_ref] = (slot_index, cid, chunk, state_ref, time.time())
-        if self.kills.get((cid, chunk + 1)):
-            self.kills[(cid, chunk + 1)] -= 1
-            warn(f"injected fault ({KILL_SLOT}): killing the slot training {cid} chunk {chunk + 1}")
-            ray.kill(self.slots[slot_index])
+    def group_key(self, cid: str) -> str:
+        return self.info[cid]["cobatch_key"]
+
+    def launch(self, slot_index: int, cids: list[str], chunk: int) -> None:
+        """Train `cids` (one config, or a co-batched group) on chunk `chunk` on slot `slot_index`."""
+        info = [self.info[cid] for cid in cids]
+        slot = self.slots[slot_index]
+        if len(cids) == 1:
+            rec_ref, state_ref = slot.train_chunk.options(num_returns=2).remote(
+                info[0]["plain"], self.states[cids[0]], self.data.chunk_refs[chunk], self.data.eval_ref,
+                info[0]["total_steps"], self.state_path(cids[0], chunk + 1))
+            rec_refs, state_refs = [rec_ref], [state_ref]
+        else:
+            refs = slot.train_group.options(num_returns=2 * len(cids)).remote(
+                [i["plain"] for i in info], self.data.chunk_refs[chunk], self.data.eval_ref,
+                [i["total_steps"] for i in info], [self.state_path(cid, chunk + 1) for cid in cids],
+                *(self.states[cid] for cid in cids))
+            rec_refs, state_refs = refs[:len(cids)], refs[len(cids):]
+        self.inflight[rec_refs[0]] = (slot_index, cids, chunk, rec_refs, state_refs, time.time())
+        for cid in cids:
+            if self.kills.get((cid, chunk + 1)):
+                self.kills[(cid, chunk + 1)] -= 1
+                warn(f"injected fault ({KILL_SLOT}): killing the slot training {cid} chunk {chunk + 1}")
+                ray.kill(slot)
+                break
 
     def collect(self, ref) -> int:
-        slot_index, cid, chunk, state_ref, t0 = self.inflight.pop(ref)
-        cand = self.cands[cid]
+        slot_index, cids, chunk, rec_refs, state_refs, t0 = self.inflight.pop(ref)
         try:
-            record = ray.get(ref)
+            records = ray.get(rec_refs)
         except ray.exceptions.RayActorError as e:
-            self.slots[slot_index] = self.slot_factory()  # a fresh slot; the config retrains this chunk
-            self.lost[cid] = self.lost.get(cid, 0) + 1
-            reason = f"its slot was lost {self.lost[cid]} time(s) ({str(e).splitlines()[0][:120]})"
-            if self.lost[cid] >= SLOT_LOSSES:
-                self.sched.failed(cid, reason)
-                warn(f"config {cid} failed: {reason}")
-            else:
-                self.sched.returned(cid)
-                warn(f"config {cid}: {reason}; chunk {chunk + 1} runs again from its last boundary")
+            self.slots[slot_index] = self.slot_factory()  # a fresh slot; its configs retrain this chunk
+            for cid in cids:
+                self.lost[cid] = self.lost.get(cid, 0) + 1
+                reason = f"its slot was lost {self.lost[cid]} time(s) ({str(e).splitlines()[0][:120]})"
+                if self.lost[cid] >= SLOT_LOSSES:
+                    self.sched.failed(cid, reason)
+                    warn(f"config {cid} failed: {reason}")
+                else:
+                    self.sched.returned(cid)
+                    warn(f"config {cid}: {reason}; chunk {chunk + 1} runs again from its last boundary")
             return slot_index
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             reason = f"{type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''}"
+            if len(cids) > 1:  # which member failed is unknown: each trains this chunk again alone
+                for cid in cids:
+                    self.sched.configs[cid].solo = True
+                    self.sched.returned(cid)
+                warn(f"co-batched configs {', '.join(cids)} failed in chunk {chunk + 1} ({reason}); each trains "
+                     "it again alone")
+                return slot_index
+            cid = cids[0]
             self.sched.failed(cid, f"chunk {chunk + 1}: {reason}")
-            warn(f"config {cid} ({short_values(cand.values)}) failed in chunk {chunk + 1}: {reason}")
+            warn(f"config {cid} ({short_values(self.cands[cid].values)}) failed in chunk {chunk + 1}: {reason}")
             self.write("running")
             return slot_index
-        self.states[cid] = state_ref
-        record.update(chunk=chunk + 1, slot=slot_index, wall_s=time.time() - t0, at_s=time.time() - self.t0)
-        busy = record["train_s"] + record["eval_s"] + record["swap_in_s"] + record["swap_out_s"]
-        record["swap_fraction"] = (record["swap_in_s"] + record["swap_out_s"]) / busy if busy else 0.0
-        record["score"] = record[self.exp.spec.metric]
-        self.history[cid].append(record)
-        self.sched.finished(cid, record["score"])
-        say(f"chunk {chunk + 1}/{self.exp.spec.num_chunks} | {cid} ({short_values(cand.values)}) | "
-            f"{self.exp.spec.metric} {record['score']:.4f} | train loss {record['train_loss']:.4f} | "
-            f"{record['steps']} steps {record['train_s']:.1f}s | swap in {record['swap_in_s']:.2f}s out "
-            f"{record['swap_out_s']:.2f}s ({100 * record['swap_fraction']:.1f}%)")
+        for cid, record, state_ref in zip(cids, records, state_refs):
+            self.states[cid] = state_ref
+            record.update(chunk=chunk + 1, slot=slot_index, wall_s=time.time() - t0, at_s=time.time() - self.t0)
+            busy = record["train_s"] + record["eval_s"] + record["swap_in_s"] + record["swap_out_s"]
+            record["swap_fraction"] = (record["swap_in_s"] + record["swap_out_s"]) / busy if busy else 0.0
+            record["score"] = record[self.exp.spec.metric]
+            self.history[cid].append(record)
+            self.sched.finished(cid, record["score"])
+            together = f" | co-batched x{len(cids)}" if len(cids) > 1 else ""
+            say(f"chunk {chunk + 1}/{self.exp.spec.num_chunks} | {cid} ({short_values(self.cands[cid].values)}) | "
+                f"{self.exp.spec.metric} {record['score']:.4f} | train loss {record['train_loss']:.4f} | "
+                f"{record['steps']} steps {record['train_s']:.1f}s | swap in {record['swap_in_s']:.2f}s out "
+                f"{record['swap_out_s']:.2f}s ({100 * record['swap_fraction']:.1f}%){together}")
         self.write("running")
-        self.prune_states(cid, chunk + 1)
+        for cid in cids:
+            self.prune_states(cid, chunk + 1)
         return slot_index
 
     def publish(self) -> None:

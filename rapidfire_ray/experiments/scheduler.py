@@ -29,6 +29,7 @@ class ConfigEntry:
     scores: list = field(default_factory=list)  # the metric after each chunk trained
     reason: Optional[str] = None
     order: int = 0
+    solo: bool = False  # trains alone from now on (its co-batched group failed)
 
     @property
     def score(self) -> float:
@@ -65,6 +66,26 @@ class ChunkScheduler:
         c = min(ready, key=lambda c: (c.chunks_done, c.order))
         c.in_flight = True
         return c.id, c.chunks_done
+
+    def next_group(self, size: int = 1, key=None) -> tuple[list[str], int] | None:
+        """Up to `size` configs a free slot trains together now (co-batching) and their chunk: the
+        config `next_pair` picks, joined by the oldest ready ones at the same chunk with the same
+        `key(id)` (configs that can share a pass); a config marked solo trains alone. Or None."""
+        pair = self.next_pair()
+        if pair is None:
+            return None
+        cid, chunk = pair
+        group = [cid]
+        if size > 1 and not self.configs[cid].solo:
+            want = key(cid) if key else None
+            for c in sorted(self.live(), key=lambda c: c.order):
+                if len(group) >= size:
+                    break
+                if (not c.in_flight and not c.solo and c.chunks_done == chunk and not self._held(c)
+                        and (key(c.id) if key else None) == want):
+                    c.in_flight = True
+                    group.append(c.id)
+        return group, chunk
 
     def _held(self, c: ConfigEntry) -> bool:
         # a boundary not yet decided holds everybody who reached it

@@ -229,10 +229,11 @@ class Slot:
         swap_out = time.perf_counter() - t3
         return _record(losses, run.step, eval_loss, train_s, eval_s, swap_in, swap_out, len(data)), data
 
-    def train_group(self, cfgs: list[dict], states: list, rows: list[dict], eval_rows: list[dict],
-                    totals: list[int], state_paths: list) -> list:
+    def train_group(self, cfgs: list[dict], rows: list[dict], eval_rows: list[dict], totals: list[int],
+                    state_paths: list, *states) -> list:
         """train_chunk for k co-batched configs in one pass (cobatch.CoBatchRun): k records, then k
-        state bytes. The group's train, eval and swap times are shared equally by its records."""
+        state bytes. `states` come last, one argument each (Ray resolves top-level object refs only).
+        The group's train, eval and swap times are shared equally by its records."""
         from .cobatch import CoBatchRun
 
         k = len(cfgs)

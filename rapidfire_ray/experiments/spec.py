@@ -68,7 +68,11 @@ class ExperimentSection:
                                                      "neighbouring entry")
     num_slots: Optional[int] = field(None, "training slots (one process each, keeping the base model loaded; "
                                            "null: as many as the cluster's CPUs/GPUs hold, at most one per "
-                                           "config)", range=(1, None))
+                                           "config, or per co_batch configs)", range=(1, None))
+    co_batch: int = field(1, "LoRA configs one slot trains at once, in one forward/backward pass over the same "
+                             "rows (each row routed to its own config's adapter); configs share a pass when "
+                             "they differ only in LoRA r/alpha/dropout, optimizer values, LR schedule, grad "
+                             "clipping and seed", range=(1, None))
     tracking: str = field("auto", "each config as an MLflow run (MLFLOW_TRACKING_URI, else mlflow.db in the "
                                   "experiment folder); auto: when MLflow is installed", choices=("auto", "mlflow", "none"))
     resources: SlotResources = section(SlotResources)

@@ -122,7 +122,7 @@ def test_slot_trains_a_group_and_writes_every_members_state(tmp_path):
     weights = {k: v.clone() for k, v in base.state_dict().items()}
     cfgs = _configs()[:2]
     paths = [str(tmp_path / f"c{j}" / "state-chunk1.pt") for j in range(2)]
-    out = slot.train_group(cfgs, [None, None], CHUNKS[0], EVAL, [4, 4], paths)
+    out = slot.train_group(cfgs, CHUNKS[0], EVAL, [4, 4], paths, None, None)
     records, blobs = out[:2], out[2:]
     assert slot.base is base and base.state_dict().keys() == weights.keys()
     assert all(torch.equal(base.state_dict()[k], v) for k, v in weights.items())

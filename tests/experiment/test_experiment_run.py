@@ -144,6 +144,30 @@ def test_successive_halving_and_live_ctl_ops(ray_cluster, tmp_path):
 
 
 
+def test_co_batched_configs_train_in_one_pass_to_the_same_numbers_as_one_at_a_time(ray_cluster, tmp_path, capsys):
+    """experiment.co_batch 3 on one slot: the three configs train every chunk in one pass (rows routed
+    to their adapters) and every chunk's train and held-out loss is the one-at-a-time run's."""
+    runs = {}
+    for k in (1, 3):
+        runs[k] = rapidfire_ray.experiment(PROFILE, overrides={
+            "run.output_dir": str(tmp_path), "run.name": f"co{k}", "experiment.tracking": "none",
+            "experiment.num_slots": 1, "experiment.co_batch": k})
+    out = capsys.readouterr().out
+    assert "up to 3 configs co-batched per slot" in out and "chunk 2/2 | c2 (lr=0.01) | eval_loss" in out
+    assert out.count("| co-batched x3") == 6
+    alone, together = ({c["id"]: c for c in runs[k]["configs"]} for k in (1, 3))
+    assert set(alone) == set(together) == {"c0", "c1", "c2"}
+    for cid, c in together.items():
+        assert c["state"] == "done" and [h["co_batch"] for h in c["history"]] == [3, 3]
+        assert "co_batch" not in alone[cid]["history"][0]
+        for h, ref in zip(c["history"], alone[cid]["history"], strict=True):
+            assert (h["chunk"], h["steps"], h["step"]) == (ref["chunk"], ref["steps"], ref["step"])
+            assert h["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5), cid
+            assert h["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-5), cid
+        assert (tmp_path / "co3" / "configs" / cid / "state-chunk2.pt").is_file()
+    assert runs[3]["best"]["id"] == runs[1]["best"]["id"] == "c2" and runs[3]["swap"]["chunks"] == 6
+
+
 def test_pbt_replaces_the_worse_config_by_a_warm_perturbed_clone_and_resumes_it_exactly(ray_cluster, tmp_path):
     summary = rapidfire_ray.experiment(PROFILE, overrides={
         "run.output_dir": str(tmp_path), "run.name": "exp-pbt", "experiment.policy": "pbt",

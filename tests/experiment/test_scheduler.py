@@ -116,3 +116,34 @@ def test_pbt_with_few_configs_replaces_at_most_half():
             sched.finished(cid, float(cid[1:]))
         assert len(sched.cut()) == replaced, n
         assert len(sched.take_exploits()) == replaced
+
+
+def test_co_batched_groups_share_a_chunk_and_a_key_and_keep_the_order():
+    sched = ChunkScheduler(num_chunks=2, policy="successive_halving", eta=2)
+    for i in range(5):
+        sched.add(f"c{i}")
+    key = {"c0": "a", "c1": "b", "c2": "a", "c3": "a", "c4": "b"}.get
+    assert sched.next_group(2, key) == (["c0", "c2"], 0)
+    assert sched.next_group(2, key) == (["c1", "c4"], 0)
+    assert sched.next_group(2, key) == (["c3"], 0)  # its key's other members are in flight
+    assert sched.next_group(2, key) is None
+    for cid, score in (("c0", 1.0), ("c2", 5.0), ("c1", 2.0), ("c4", 4.0)):
+        sched.finished(cid, score)
+    assert sched.next_group(2, key) is None  # c3 still on chunk 0: the boundary is held for the cut
+    sched.finished("c3", 3.0)
+    assert sched.cut() == ["c3", "c4", "c2"]  # kept the best 5 // 2 of one ranking over both groups
+    assert [c.id for c in sched.live()] == ["c0", "c1"]
+    assert sched.next_group(4, key) == (["c0"], 1)  # different keys never share a pass
+    assert sched.next_group(4, key) == (["c1"], 1)
+    sched.finished("c0", 1.0)
+    sched.finished("c1", 1.0)
+    assert sched.idle()
+
+
+def test_a_solo_config_trains_alone_and_is_never_joined():
+    sched = ChunkScheduler(num_chunks=1)
+    for i in range(3):
+        sched.add(f"c{i}")
+    sched.configs["c0"].solo = True
+    assert sched.next_group(3) == (["c0"], 0)
+    assert sched.next_group(3) == (["c1", "c2"], 0)
