@@ -14,6 +14,8 @@ skipped once the time budget is spent:
   aware     what a user feels: rapidfire with memory_aware batches and precision auto against
             plain TRL with its defaults and with packing=True on the same data: real tokens/s;
             the memory model's estimate against the measured peak
+  cobatch   bench/cobatch.py at 135M: 4 LoRA configs one at a time vs co-batched in one pass
+            (aggregate tokens/s, losses both ways)
 Run folders are deleted as it goes (a 1.7B checkpoint is 20 GB). On the GPU machine, from the
 repository root, with the bundle of ../shared/device copied to .gpu/ (git-ignored):
 
@@ -346,7 +348,21 @@ def aware(b: Bench) -> dict:
             "estimate_vs_measured_peak": round(estimate / measured, 3) if estimate and measured else None}
 
 
-PARTS = {"env": env, "models": models, "codecs": codecs, "o135": o135, "o1p7": o1p7, "mem": mem, "aware": aware}
+def cobatch(b: Bench) -> dict:
+    """bench/cobatch.py at 135M: 4 LoRA configs one at a time vs co-batched in one pass."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cobatch", os.path.join(REPO, "bench", "cobatch.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.measure(os.path.join(REPO, "jobs", "configs", "experiment_smollm2.yaml"), configs=4,
+                          rows=8 if b.args.smoke else 64, eval_rows=4 if b.args.smoke else 16,
+                          max_length=min(b.args.max_length, 512), batch=4 if b.args.smoke else 8,
+                          device="cuda" if b.cuda else "cpu", model=b.model("135m"))
+
+
+PARTS = {"env": env, "models": models, "codecs": codecs, "o135": o135, "o1p7": o1p7, "mem": mem, "aware": aware,
+         "cobatch": cobatch}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -132,3 +132,15 @@ def test_slot_trains_a_group_and_writes_every_members_state(tmp_path):
     assert records[0]["eval_loss"] != records[1]["eval_loss"]  # each its own adapter
     record, _ = slot.train_chunk(cfgs[1], blobs[1], CHUNKS[1], EVAL, 4, None)  # on alone from the group's state
     assert record["step"] == 4
+
+
+def test_cobatch_bench_measures_both_ways_on_the_same_rows():
+    """bench/cobatch.py on the tiny profile: both ways run and train the same losses (the script
+    works; its timing ratio is a benchmark figure, not checked here)."""
+    from tests.paths import REPO, load_script
+
+    bench = load_script(f"{REPO}/bench/cobatch.py", "bench_cobatch")
+    result = bench.measure(f"{REPO}/jobs/configs/experiment_tiny.yaml", configs=3, rows=8, eval_rows=4, batch=4)
+    assert result["steps_per_config"] == 2 and len(result["co_batched"]["per_config"]) == 3
+    assert result["losses_within_1pct"] and result["max_rel_loss_diff"] < 1e-4
+    assert result["one_at_a_time"]["tokens_per_s"] > 0 and result["co_batched"]["tokens_per_s"] > 0
