@@ -186,6 +186,8 @@ class _Experiment:
         self.slot_factory = None
         self.controller = None
         self.lost: dict[str, int] = {}
+        self.slot_nodes: dict[int, str] = {}  # slot index -> its node, from its first record
+        self.state_nodes: dict[str, str] = {}  # config id -> the node whose object store holds its state
         self.tracker = None  # tracking.MlflowTracker
         self.t0 = time.time()  # the experiment's start (records' at_s)
         self.kills = slot_kills()  # injected slot losses (faults.py), counted down
@@ -210,6 +212,7 @@ class _Experiment:
             if chunks_done and os.path.isfile(path):
                 with open(path, "rb") as f:
                     state = ray.put(f.read())
+                self.state_nodes[cand.id] = ray.get_runtime_context().get_node_id()  # the driver's store
             elif chunks_done:
                 chunks_done = 0  # no state on storage: it starts again
             st = old.get("state", "running")
@@ -241,7 +244,8 @@ class _Experiment:
                 say(f"config {cid} stopped: {self.sched.configs[cid].reason}")
             for ask in self.sched.take_exploits():
                 ops.exploit(self, ask)
-            while free and (got := self.sched.next_group(self.exp.spec.co_batch, self.group_key)) is not None:
+            while free and (got := self.sched.next_group(self.exp.spec.co_batch, self.group_key,
+                                                         self.on_node_of(free[0]))) is not None:
                 self.launch(free.pop(0), *got)
             if not self.inflight:
                 if self.sched.idle() and not self.pending_ops:
@@ -260,6 +264,13 @@ class _Experiment:
     def group_key(self, cid: str) -> str:
         return self.info[cid]["cobatch_key"]
 
+    def on_node_of(self, slot_index: int):
+        """Whether a config's state is in the object store of this slot's node (the scheduler prefers
+        those: its swap-in reads local memory, not the network). States read from storage at
+        --resume are the driver's; a fresh config has none."""
+        node = self.slot_nodes.get(slot_index)
+        return lambda cid: node is not None and self.state_nodes.get(cid) == node
+
     def launch(self, slot_index: int, cids: list[str], chunk: int) -> None:
         """Train `cids` (one config, or a co-batched group) on chunk `chunk` on slot `slot_index`."""
         info = [self.info[cid] for cid in cids]
@@ -275,7 +286,9 @@ class _Experiment:
                 [i["total_steps"] for i in info], [self.state_path(cid, chunk + 1) for cid in cids],
                 *(self.states[cid] for cid in cids))
             rec_refs, state_refs = refs[:len(cids)], refs[len(cids):]
-        self.inflight[rec_refs[0]] = (slot_index, cids, chunk, rec_refs, state_refs, time.time())
+        local = [None if self.states[cid] is None or slot_index not in self.slot_nodes
+                 else self.state_nodes.get(cid) == self.slot_nodes[slot_index] for cid in cids]
+        self.inflight[rec_refs[0]] = (slot_index, cids, chunk, rec_refs, state_refs, local, time.time())
         for cid in cids:
             if self.kills.get((cid, chunk + 1)):
                 self.kills[(cid, chunk + 1)] -= 1
@@ -284,11 +297,12 @@ class _Experiment:
                 break
 
     def collect(self, ref) -> int:
-        slot_index, cids, chunk, rec_refs, state_refs, t0 = self.inflight.pop(ref)
+        slot_index, cids, chunk, rec_refs, state_refs, local, t0 = self.inflight.pop(ref)
         try:
             records = ray.get(rec_refs)
         except ray.exceptions.RayActorError as e:
             self.slots[slot_index] = self.slot_factory()  # a fresh slot; its configs retrain this chunk
+            self.slot_nodes.pop(slot_index, None)  # (it may start on another node)
             for cid in cids:
                 self.lost[cid] = self.lost.get(cid, 0) + 1
                 reason = f"its slot was lost {self.lost[cid]} time(s) ({str(e).splitlines()[0][:120]})"
@@ -314,9 +328,12 @@ class _Experiment:
             warn(f"config {cid} ({short_values(self.cands[cid].values)}) failed in chunk {chunk + 1}: {reason}")
             self.write("running")
             return slot_index
-        for cid, record, state_ref in zip(cids, records, state_refs):
+        for cid, record, state_ref, was_local in zip(cids, records, state_refs, local):
             self.states[cid] = state_ref
-            record.update(chunk=chunk + 1, slot=slot_index, wall_s=time.time() - t0, at_s=time.time() - self.t0)
+            if record.get("node"):
+                self.slot_nodes[slot_index] = self.state_nodes[cid] = record["node"]
+            record.update(chunk=chunk + 1, slot=slot_index, wall_s=time.time() - t0, at_s=time.time() - self.t0,
+                          state_on_node=was_local)
             busy = record["train_s"] + record["eval_s"] + record["swap_in_s"] + record["swap_out_s"]
             record["swap_fraction"] = (record["swap_in_s"] + record["swap_out_s"]) / busy if busy else 0.0
             record["score"] = record[self.exp.spec.metric]

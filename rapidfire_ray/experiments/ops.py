@@ -81,6 +81,8 @@ def _clone(run, op, entry) -> str:
     if cand.error is not None:
         return f"clone {cid} failed: {cand.error}"
     if warm:  # its own copy of the parent's boundary state, for --resume before its first chunk
+        if parent.id in run.state_nodes:
+            run.state_nodes[cid] = run.state_nodes[parent.id]  # the same object
         src, dst = run.state_path(parent.id, entry.chunks_done), run.state_path(cid, entry.chunks_done)
         if os.path.isfile(src):
             os.makedirs(os.path.dirname(dst), exist_ok=True)

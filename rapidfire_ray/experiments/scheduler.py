@@ -58,27 +58,30 @@ class ChunkScheduler:
     def live(self) -> list[ConfigEntry]:
         return [c for c in self.configs.values() if c.state == RUNNING]
 
-    def next_pair(self) -> tuple[str, int] | None:
-        """The config a free slot trains now and its chunk, or None (nothing runnable yet)."""
+    def next_pair(self, prefer=None) -> tuple[str, int] | None:
+        """The config a free slot trains now and its chunk, or None (nothing runnable yet). Among
+        those with the fewest chunks done, one that `prefer(id)` (its state is on the slot's node)
+        comes first, then the oldest."""
         ready = [c for c in self.live() if not c.in_flight and not self._held(c)]
         if not ready:
             return None
-        c = min(ready, key=lambda c: (c.chunks_done, c.order))
+        c = min(ready, key=lambda c: (c.chunks_done, not (prefer and prefer(c.id)), c.order))
         c.in_flight = True
         return c.id, c.chunks_done
 
-    def next_group(self, size: int = 1, key=None) -> tuple[list[str], int] | None:
+    def next_group(self, size: int = 1, key=None, prefer=None) -> tuple[list[str], int] | None:
         """Up to `size` configs a free slot trains together now (co-batching) and their chunk: the
-        config `next_pair` picks, joined by the oldest ready ones at the same chunk with the same
-        `key(id)` (configs that can share a pass); a config marked solo trains alone. Or None."""
-        pair = self.next_pair()
+        config `next_pair` picks, joined by ready ones at the same chunk with the same `key(id)`
+        (configs that can share a pass; preferred ones, then the oldest); a config marked solo
+        trains alone. Or None."""
+        pair = self.next_pair(prefer)
         if pair is None:
             return None
         cid, chunk = pair
         group = [cid]
         if size > 1 and not self.configs[cid].solo:
             want = key(cid) if key else None
-            for c in sorted(self.live(), key=lambda c: c.order):
+            for c in sorted(self.live(), key=lambda c: (not (prefer and prefer(c.id)), c.order)):
                 if len(group) >= size:
                     break
                 if (not c.in_flight and not c.solo and c.chunks_done == chunk and not self._held(c)

@@ -270,4 +270,11 @@ def _record(losses: list[float], step: int, eval_loss: float, train_s: float, ev
     return {"steps": len(losses), "step": step, "train_loss": losses[-1] if losses else None,
             "eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)), "train_s": train_s,
             "eval_s": eval_s, "swap_in_s": swap_in, "swap_out_s": swap_out, "state_bytes": state_bytes,
-            "pid": os.getpid()}
+            "pid": os.getpid(), "node": _node_id()}
+
+
+def _node_id() -> str | None:
+    """The Ray node this slot runs on (None outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

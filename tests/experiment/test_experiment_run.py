@@ -159,6 +159,8 @@ def test_co_batched_configs_train_in_one_pass_to_the_same_numbers_as_one_at_a_ti
     assert set(alone) == set(together) == {"c0", "c1", "c2"}
     for cid, c in together.items():
         assert c["state"] == "done" and [h["co_batch"] for h in c["history"]] == [3, 3]
+        # one node: chunk 2 swapped in from this node's object store (chunk 1 was a fresh adapter)
+        assert [h["state_on_node"] for h in c["history"]] == [None, True] and c["history"][0]["node"]
         assert "co_batch" not in alone[cid]["history"][0]
         for h, ref in zip(c["history"], alone[cid]["history"], strict=True):
             assert (h["chunk"], h["steps"], h["step"]) == (ref["chunk"], ref["steps"], ref["step"])

@@ -147,3 +147,19 @@ def test_a_solo_config_trains_alone_and_is_never_joined():
     sched.configs["c0"].solo = True
     assert sched.next_group(3) == (["c0"], 0)
     assert sched.next_group(3) == (["c1", "c2"], 0)
+
+
+def test_a_slot_prefers_configs_whose_state_is_on_its_node_within_the_fewest_chunks():
+    sched = ChunkScheduler(num_chunks=3)
+    for i in range(4):
+        sched.add(f"c{i}")
+    on_node = {"c2", "c3"}.__contains__
+    assert sched.next_pair(on_node) == ("c2", 0)
+    assert sched.next_group(2, prefer=on_node) == (["c3", "c0"], 0)
+    sched.finished("c2", 1.0)
+    sched.finished("c3", 1.0)
+    # fewest chunks first still: c1 (chunk 0) before the preferred c2 (chunk 1)
+    assert sched.next_pair(on_node) == ("c1", 0)
+    sched.finished("c0", 1.0)
+    sched.finished("c1", 1.0)
+    assert sched.next_pair({"c1"}.__contains__) == ("c1", 1)
