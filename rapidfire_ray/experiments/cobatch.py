@@ -27,7 +27,7 @@ import json
 import torch
 
 from ..data.loader import collate
-from .slot import ConfigRun, _to_cpu, make_optimizer, make_scheduler, restore_optimizer
+from .slot import ConfigRun, Shard, _to_cpu, make_optimizer, make_scheduler, restore_optimizer
 
 # Keys co-batched configs may differ in (dotted); everything else of their configs must be equal.
 COBATCH_FREE_KEYS = ("model.lora.r", "model.lora.alpha", "model.lora.dropout", "optimizer.params.lr",
@@ -155,20 +155,20 @@ class CoBatchRun:
                                                       labels.reshape(-1), ignore_index=-100, reduction="none")
         return per_token.view(self.k, -1).sum(dim=1)
 
-    def train_rows(self, rows: list[dict], pad_id: int) -> list[list[float]]:
+    def train_rows(self, rows: list[dict], pad_id: int, shard: Shard | None = None) -> list[list[float]]:
         """Train every config on `rows` in order (ConfigRun.train_rows' steps); each config's step losses."""
+        shard = shard or Shard()
         t = self.cfgs[0]["train"]
-        micro, accum = t["per_device_batch_size"], t["gradient_accumulation_steps"]
-        losses: list[list[float]] = [[] for _ in range(self.k)]
-        for start in range(0, len(rows), micro * accum):
-            step_rows = rows[start:start + micro * accum]
-            batches = [collate(step_rows[i:i + micro], pad_id) for i in range(0, len(step_rows), micro)]
-            items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
-            total = torch.zeros(self.k, device=self.device)
+        every = [p for params in self.params for p in params]
+        losses = []
+        for batches, items in shard.step_batches(rows, t["per_device_batch_size"], t["gradient_accumulation_steps"],
+                                                 pad_id):
+            total = torch.zeros(self.k, dtype=torch.float64, device=self.device)
             for batch in batches:
                 per = self._block_losses(batch) / max(1, items)
                 per.sum().backward()  # config j's adapter only sees its own block's loss
-                total += per.detach()
+                total += per.detach().double()
+            shard.sum_grads(every)  # every config's gradients in one all-reduce
             for j, cfg in enumerate(self.cfgs):
                 if cfg["train"]["grad_clip"] > 0:
                     torch.nn.utils.clip_grad_norm_(self.params[j], cfg["train"]["grad_clip"])
@@ -176,24 +176,28 @@ class CoBatchRun:
                 self.schedulers[j].step()
                 self.optimizers[j].zero_grad(set_to_none=True)
                 self.steps[j] += 1
-            for j, value in enumerate(total.tolist()):  # one host sync per step
-                losses[j].append(value)
-        return losses
+            losses.append(total)
+        if not losses:
+            return [[] for _ in range(self.k)]
+        return shard.sum(torch.stack(losses)).t().tolist()  # one host sync per chunk
 
     @torch.no_grad()
-    def evaluate(self, rows: list[dict], pad_id: int) -> list[float]:
+    def evaluate(self, rows: list[dict], pad_id: int, shard: Shard | None = None) -> list[float]:
         """Every config's held-out loss (ConfigRun.evaluate's), all k in one pass per batch."""
+        shard = shard or Shard()
         self.base.eval()
         size = self.cfgs[0]["train"]["per_device_batch_size"]
-        total, items = torch.zeros(self.k, dtype=torch.float64, device=self.device), 0
+        mine = shard.my_rows(rows)
+        sums = torch.zeros(self.k + 1, dtype=torch.float64, device=self.device)  # k summed losses, trained tokens
         try:
-            for i in range(0, len(rows), size):
-                batch = collate(rows[i:i + size], pad_id)
-                total += self._block_losses(batch).double()
-                items += int((batch["labels"][:, 1:] != -100).sum())
+            for i in range(0, len(mine), size):
+                batch = collate(mine[i:i + size], pad_id)
+                sums[:self.k] += self._block_losses(batch).double()
+                sums[self.k] += int((batch["labels"][:, 1:] != -100).sum())
         finally:
             self.base.train()
-        return [v / max(1, items) for v in total.tolist()]
+        *totals, items = shard.sum(sums).tolist()
+        return [v / max(1, items) for v in totals]
 
     def state(self, j: int) -> dict:
         adapter = {}

@@ -67,10 +67,10 @@ def run_experiment(profile, overrides=(), *, address: str | None = None, resume:
     slots = max(1, min(slots, math.ceil(len(valid) / spec.co_batch) or 1))
     res = spec.resources
     slot_cls = ray.remote(Slot).options(num_cpus=cpu_share(res.cpus), num_gpus=res.gpus, max_concurrency=1)
-    run.slot_factory = lambda: slot_cls.remote(base_cfg.model.name, max(1, int(res.cpus)), res.gpus > 0)
+    run.slot_factory = lambda: _slot_workers(slot_cls, base_cfg.model.name, res)
     say(f"experiment {exp.name}: {len(candidates)} config(s) ({len(valid)} valid), {spec.num_chunks} chunk(s) of "
         f"~{len(data.chunks[0])} rows, held-out {len(data.eval_rows)} rows scored on {spec.metric}, policy "
-        f"{spec.policy}, {slots} slot(s) of {res.cpus:g} CPU {res.gpus:g} GPU"
+        f"{spec.policy}, {slots} slot(s) of {_slot_text(res)}"
         f"{f', up to {spec.co_batch} configs co-batched per slot' if spec.co_batch > 1 else ''}; folder {folder}")
     controller = start_controller(exp.name)
     run.controller = controller
@@ -84,8 +84,9 @@ def run_experiment(profile, overrides=(), *, address: str | None = None, resume:
         status, error = "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise
     finally:
-        for slot in run.slots:
-            ray.kill(slot)
+        for workers in run.slots:
+            for worker in workers:
+                ray.kill(worker)
         ray.kill(controller)
         summary = run.write(status, time.time() - t_start, error)
     say(render_leaderboard(summary))
@@ -99,6 +100,17 @@ def run_experiment(profile, overrides=(), *, address: str | None = None, resume:
         if best else f"done: {summary['counts']}; no config finished a chunk")
     say(f"summary in {summary_path}")
     return summary
+
+
+def _slot_workers(slot_cls, model_name: str, res) -> list:
+    """One slot: its worker actors (started, loading the model; a slot of several joins them into
+    one group before its first chunk, `_Experiment.join`)."""
+    return [slot_cls.remote(model_name, max(1, int(res.cpus)), res.gpus > 0) for _ in range(res.workers)]
+
+
+def _slot_text(res) -> str:
+    each = f"{res.cpus:g} CPU {res.gpus:g} GPU"
+    return each if res.workers == 1 else f"{res.workers} workers x {each}"
 
 
 def _previous(path: str, resume: bool) -> dict | None:
@@ -131,13 +143,22 @@ def _fitting_slots(spec) -> int:
     res = spec.resources
     avail = ray.cluster_resources()
     if res.gpus > 0:
-        return max(1, int(avail.get("GPU", 0) // res.gpus))
+        return max(1, int(avail.get("GPU", 0) // (res.gpus * res.workers)))
     from ..driver.cluster import cpu_share
 
     # one CPU stays for Ray Data and the driver's actors where the cluster has more than two
     cpus = avail.get("CPU", 1)
     cpus = cpus - 1 if cpus > 2 else cpus
-    return max(1, int(cpus // max(cpu_share(res.cpus), 0.01)))
+    return max(1, int(cpus // max(cpu_share(res.cpus) * res.workers, 0.01)))
+
+
+def _is_error(ref) -> bool:
+    """Whether a ready object ref holds an error (a failed task, a lost actor)."""
+    try:
+        ray.get(ref, timeout=0)
+        return False
+    except Exception:  # noqa: BLE001 - any error is one
+        return True
 
 
 class _Data:
@@ -182,10 +203,12 @@ class _Experiment:
         self.ctl_log: list = list((previous or {}).get("ctl_log", []))
         self.pending_ops: list = []
         self.inflight: dict = {}
+        self.watch: dict = {}  # each in-flight worker's first record ref -> its chunk's inflight key
         self.slots: list = []
         self.slot_factory = None
         self.controller = None
         self.lost: dict[str, int] = {}
+        self.joined: set[int] = set()  # multi-worker slots whose workers were asked to join
         self.slot_nodes: dict[int, str] = {}  # slot index -> its node, from its first record
         self.state_nodes: dict[str, str] = {}  # config id -> the node whose object store holds its state
         self.tracker = None  # tracking.MlflowTracker
@@ -204,7 +227,8 @@ class _Experiment:
             return
         cfg = OmegaConf.to_container(cand.cfg, resolve=True)
         self.info[cand.id]["plain"] = cfg
-        self.info[cand.id]["total_steps"] = sum(steps_for(len(c), cfg) for c in self.data.chunks)
+        self.info[cand.id]["total_steps"] = sum(steps_for(len(c), cfg, self.exp.spec.resources.workers)
+                                                for c in self.data.chunks)
         self.info[cand.id]["cobatch_key"] = cobatch_key(cfg)
         if old:
             chunks_done = old.get("chunks_done", 0)
@@ -254,12 +278,37 @@ class _Experiment:
                         return
                 time.sleep(0.2)
             else:
-                ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=0.5)
+                ready, _ = ray.wait(list(self.watch), num_returns=1, timeout=0.5)
                 for ref in ready:
-                    free.append(self.collect(ref))
+                    key = self.watch.pop(ref)
+                    rest = [r for r, k in self.watch.items() if k == key]
+                    if rest and not _is_error(ref):
+                        continue  # the slot's other workers are still on it
+                    for r in rest:  # all done, or one failed: the others may wait on it in a collective
+                        del self.watch[r]
+                    free.append(self.collect(key))
             if time.time() - last_publish > 1.0:
                 self.publish()
                 last_publish = time.time()
+
+    def join(self, slot_index: int) -> list:
+        """A multi-worker slot's join, queued on its workers before its first chunk: worker 0's address
+        and a free port there (waits for its start), then every worker joins (the refs: checked with
+        the chunk's results). Nothing for a slot of one worker or one already joined."""
+        workers = self.slots[slot_index]
+        if len(workers) == 1 or slot_index in self.joined:
+            return []
+        self.joined.add(slot_index)
+        address, port = ray.get(workers[0].rendezvous.remote())
+        return [w.join.remote(address, port, rank, len(workers)) for rank, w in enumerate(workers)]
+
+    def replace_slot(self, slot_index: int) -> None:
+        """A fresh slot (its workers killed first: the others may wait on a lost one's collectives)."""
+        for worker in self.slots[slot_index]:
+            ray.kill(worker)
+        self.slots[slot_index] = self.slot_factory()
+        self.joined.discard(slot_index)
+        self.slot_nodes.pop(slot_index, None)  # (it may start on another node)
 
     def group_key(self, cid: str) -> str:
         return self.info[cid]["cobatch_key"]
@@ -274,35 +323,48 @@ class _Experiment:
     def launch(self, slot_index: int, cids: list[str], chunk: int) -> None:
         """Train `cids` (one config, or a co-batched group) on chunk `chunk` on slot `slot_index`."""
         info = [self.info[cid] for cid in cids]
-        slot = self.slots[slot_index]
-        if len(cids) == 1:
-            rec_ref, state_ref = slot.train_chunk.options(num_returns=2).remote(
-                info[0]["plain"], self.states[cids[0]], self.data.chunk_refs[chunk], self.data.eval_ref,
-                info[0]["total_steps"], self.state_path(cids[0], chunk + 1))
-            rec_refs, state_refs = [rec_ref], [state_ref]
-        else:
-            refs = slot.train_group.options(num_returns=2 * len(cids)).remote(
-                [i["plain"] for i in info], self.data.chunk_refs[chunk], self.data.eval_ref,
-                [i["total_steps"] for i in info], [self.state_path(cid, chunk + 1) for cid in cids],
-                *(self.states[cid] for cid in cids))
-            rec_refs, state_refs = refs[:len(cids)], refs[len(cids):]
+        workers = self.slots[slot_index]
+        joins = self.join(slot_index)
+        every = []  # each worker's record refs (a failure on any worker is the slot's)
+        for worker in workers:  # the same call to every worker of the slot
+            if len(cids) == 1:
+                refs = worker.train_chunk.options(num_returns=2).remote(
+                    info[0]["plain"], self.states[cids[0]], self.data.chunk_refs[chunk], self.data.eval_ref,
+                    info[0]["total_steps"], self.state_path(cids[0], chunk + 1))
+            else:
+                refs = worker.train_group.options(num_returns=2 * len(cids)).remote(
+                    [i["plain"] for i in info], self.data.chunk_refs[chunk], self.data.eval_ref,
+                    [i["total_steps"] for i in info], [self.state_path(cid, chunk + 1) for cid in cids],
+                    *(self.states[cid] for cid in cids))
+            every.append(refs)
+        rec_refs, state_refs = every[0][:len(cids)], every[0][len(cids):]  # the first worker's: it saves states
+        all_recs = [ref for refs in every for ref in refs[:len(cids)]]
         local = [None if self.states[cid] is None or slot_index not in self.slot_nodes
                  else self.state_nodes.get(cid) == self.slot_nodes[slot_index] for cid in cids]
-        self.inflight[rec_refs[0]] = (slot_index, cids, chunk, rec_refs, state_refs, local, time.time())
+        self.inflight[rec_refs[0]] = (slot_index, cids, chunk, joins, all_recs, state_refs, local, time.time())
+        for refs in every:  # the loop watches every worker's first record
+            self.watch[refs[0]] = rec_refs[0]
         for cid in cids:
             if self.kills.get((cid, chunk + 1)):
                 self.kills[(cid, chunk + 1)] -= 1
                 warn(f"injected fault ({KILL_SLOT}): killing the slot training {cid} chunk {chunk + 1}")
-                ray.kill(slot)
+                ray.kill(workers[0])
                 break
 
     def collect(self, ref) -> int:
-        slot_index, cids, chunk, rec_refs, state_refs, local, t0 = self.inflight.pop(ref)
+        slot_index, cids, chunk, joins, all_recs, state_refs, local, t0 = self.inflight.pop(ref)
         try:
-            records = ray.get(rec_refs)
+            ray.get(joins)
+        except ray.exceptions.RayTaskError as e:
+            raise RapidfireError(f"experiment.resources.workers: slot {slot_index}'s {len(self.slots[slot_index])} workers "
+                                 f"could not form a torch.distributed group ({str(e).splitlines()[-1][:200]}); check "
+                                 "that the nodes reach each other, or use workers: 1") from None
+        except ray.exceptions.RayActorError:
+            pass  # a worker lost while joining: the chunk's results below say so
+        try:
+            records = ray.get(all_recs)[:len(cids)]  # the first worker's
         except ray.exceptions.RayActorError as e:
-            self.slots[slot_index] = self.slot_factory()  # a fresh slot; its configs retrain this chunk
-            self.slot_nodes.pop(slot_index, None)  # (it may start on another node)
+            self.replace_slot(slot_index)  # a fresh slot; its configs retrain this chunk
             for cid in cids:
                 self.lost[cid] = self.lost.get(cid, 0) + 1
                 reason = f"its slot was lost {self.lost[cid]} time(s) ({str(e).splitlines()[0][:120]})"
@@ -316,6 +378,8 @@ class _Experiment:
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             reason = f"{type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''}"
+            if len(self.slots[slot_index]) > 1:
+                self.replace_slot(slot_index)  # its other workers may wait in a collective for the failed one
             if len(cids) > 1:  # which member failed is unknown: each trains this chunk again alone
                 for cid in cids:
                     self.sched.configs[cid].solo = True

@@ -24,10 +24,59 @@ from ..models import load_model, load_tokenizer
 from ..models.lora import CAUSAL_LM, apply_lora
 
 
-def steps_for(num_rows: int, cfg) -> int:
-    """Optimizer steps one chunk of `num_rows` rows takes for this config."""
-    per_step = cfg["train"]["per_device_batch_size"] * cfg["train"]["gradient_accumulation_steps"]
+def steps_for(num_rows: int, cfg, workers: int = 1) -> int:
+    """Optimizer steps one chunk of `num_rows` rows takes for this config on a slot of `workers`
+    (a step is per_device_batch_size x gradient_accumulation_steps x workers rows)."""
+    per_step = cfg["train"]["per_device_batch_size"] * cfg["train"]["gradient_accumulation_steps"] * workers
     return math.ceil(num_rows / per_step)
+
+
+class Shard:
+    """A slot worker's place in its slot (rank of world). A step's rows are dealt to the workers
+    (rows[rank::world]); the step's trained-token count is the whole step's, so the gradients
+    summed over the workers (one all-reduce of every trainable gradient, flattened) are the
+    gradient of the whole step, as on one worker with world x the batch."""
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world = rank, world
+
+    def step_batches(self, rows: list[dict], micro: int, accum: int, pad_id: int):
+        """(start, this worker's micro-batches, the step's trained tokens) for every step of `rows`."""
+        per_step = micro * accum * self.world
+        for start in range(0, len(rows), per_step):
+            step_rows = rows[start:start + per_step]
+            whole = [collate(step_rows[i:i + micro], pad_id) for i in range(0, len(step_rows), micro)]
+            items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in whole)
+            if self.world == 1:
+                yield whole, items
+                continue
+            mine = step_rows[self.rank::self.world]
+            yield [collate(mine[i:i + micro], pad_id) for i in range(0, len(mine), micro)], items
+
+    def my_rows(self, rows: list[dict]) -> list[dict]:
+        return rows if self.world == 1 else rows[self.rank::self.world]
+
+    def sum_grads(self, params: list[torch.Tensor]) -> None:
+        """Every worker's gradients summed (one all-reduce); a worker without rows adds zeros."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over the workers (one all-reduce)."""
+        if self.world == 1:
+            return values
+        import torch.distributed as dist
+
+        dist.all_reduce(values)
+        return values
 
 
 class ConfigRun:
@@ -72,44 +121,46 @@ class ConfigRun:
         self.model = None
         return base
 
-    def train_rows(self, rows: list[dict], pad_id: int) -> list[float]:
-        """Train on `rows` in order, one optimizer step per per_device_batch_size x accumulation rows;
-        the loss of each step."""
+    def train_rows(self, rows: list[dict], pad_id: int, shard: Shard | None = None) -> list[float]:
+        """Train on `rows` in order, one optimizer step per per_device_batch_size x accumulation
+        (x the slot's workers) rows; the loss of each step."""
+        shard = shard or Shard()
         t = self.cfg["train"]
-        micro, accum = t["per_device_batch_size"], t["gradient_accumulation_steps"]
+        params = [p for p in self.model.parameters() if p.requires_grad]
         losses = []
-        for start in range(0, len(rows), micro * accum):
-            step_rows = rows[start:start + micro * accum]
-            batches = [collate(step_rows[i:i + micro], pad_id) for i in range(0, len(step_rows), micro)]
-            items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
-            total = 0.0
+        for batches, items in shard.step_batches(rows, t["per_device_batch_size"], t["gradient_accumulation_steps"],
+                                                 pad_id):
+            total = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per batch
             for batch in batches:
                 loss = _summed_loss(self.model, batch, self.device) / max(1, items)
                 loss.backward()
-                total += float(loss.detach())
+                total += loss.detach().double()
+            shard.sum_grads(params)
             if t["grad_clip"] > 0:
-                torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                               t["grad_clip"])
+                torch.nn.utils.clip_grad_norm_(params, t["grad_clip"])
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             losses.append(total)
-        return losses
+        return shard.sum(torch.stack(losses)).tolist() if losses else []
 
     @torch.no_grad()
-    def evaluate(self, rows: list[dict], pad_id: int) -> float:
+    def evaluate(self, rows: list[dict], pad_id: int, shard: Shard | None = None) -> float:
         """Held-out loss: summed cross entropy over every trained token of `rows` / their count."""
+        shard = shard or Shard()
         self.model.eval()
         size = self.cfg["train"]["per_device_batch_size"]
-        total, items = 0.0, 0
+        mine = shard.my_rows(rows)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed loss, trained tokens
         try:
-            for i in range(0, len(rows), size):
-                batch = collate(rows[i:i + size], pad_id)
-                total += float(_summed_loss(self.model, batch, self.device))
-                items += int((batch["labels"][:, 1:] != -100).sum())
+            for i in range(0, len(mine), size):
+                batch = collate(mine[i:i + size], pad_id)
+                sums[0] += _summed_loss(self.model, batch, self.device).double()
+                sums[1] += int((batch["labels"][:, 1:] != -100).sum())
         finally:
             self.model.train()
+        total, items = shard.sum(sums).tolist()
         return total / max(1, items)
 
 
@@ -188,7 +239,9 @@ def write_state(path: str, data: bytes) -> None:
 
 
 class Slot:
-    """The slot's process (a Ray actor in an experiment): the base model stays loaded between chunks."""
+    """A slot's process (a Ray actor in an experiment): the base model stays loaded between chunks.
+    A slot of `experiment.resources.workers` > 1 is that many of these, joined (`join`) into one
+    torch.distributed group: every call goes to all of them with the same arguments."""
 
     def __init__(self, model_name: str, threads: int = 1, use_gpu: bool = False):
         torch.set_num_threads(max(1, threads))
@@ -201,11 +254,34 @@ class Slot:
         self.tokenizer = load_tokenizer(model_name)
         self.pad_id = self.tokenizer.pad_token_id
         self.base = load_model(model_name).to(self.device)
+        self.shard = Shard()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(this worker's node address, a free port): where a multi-worker slot's group meets."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, address: str, port: int, rank: int, world: int, timeout_s: float = 600.0) -> None:
+        """Become worker `rank` of a slot of `world` workers (torch.distributed: gloo, nccl on GPUs)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if self.device == "cuda" else "gloo", init_method=f"tcp://{address}:{port}",
+                                rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        self.shard = Shard(rank, world)
 
     def train_chunk(self, cfg: dict, state: Any, rows: list[dict], eval_rows: list[dict], total_steps: int,
                     state_path: str | None) -> tuple[dict, bytes]:
         """Swap the config in (its state bytes, or a fresh adapter for None), train `rows`, evaluate,
-        swap it out; returns (record, state bytes). Swap times are measured around each side."""
+        swap it out; returns (record, state bytes: empty on a multi-worker slot's other workers).
+        Swap times are measured around each side."""
         t0 = time.perf_counter()
         try:
             run = ConfigRun(self.base, cfg, total_steps, loads(state) if state is not None else None, self.device)
@@ -215,15 +291,17 @@ class Slot:
         swap_in = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
-            losses = run.train_rows(rows, self.pad_id)
+            losses = run.train_rows(rows, self.pad_id, self.shard)
             train_s = time.perf_counter() - t1
             t2 = time.perf_counter()
-            eval_loss = run.evaluate(eval_rows, self.pad_id)
+            eval_loss = run.evaluate(eval_rows, self.pad_id, self.shard)
             eval_s = time.perf_counter() - t2
             t3 = time.perf_counter()
-            data = dumps(run.state())
-            if state_path:
-                write_state(state_path, data)
+            data = b""  # the workers of a slot hold the same state: the first one saves it
+            if self.shard.rank == 0:
+                data = dumps(run.state())
+                if state_path:
+                    write_state(state_path, data)
         finally:
             self.base = run.release()
         swap_out = time.perf_counter() - t3
@@ -247,16 +325,18 @@ class Slot:
         swap_in = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
-            losses = run.train_rows(rows, self.pad_id)
+            losses = run.train_rows(rows, self.pad_id, self.shard)
             train_s = time.perf_counter() - t1
             t2 = time.perf_counter()
-            eval_losses = run.evaluate(eval_rows, self.pad_id)
+            eval_losses = run.evaluate(eval_rows, self.pad_id, self.shard)
             eval_s = time.perf_counter() - t2
             t3 = time.perf_counter()
-            blobs = [dumps(run.state(j)) for j in range(k)]
-            for path, data in zip(state_paths, blobs):
-                if path:
-                    write_state(path, data)
+            blobs = [b""] * k
+            if self.shard.rank == 0:
+                blobs = [dumps(run.state(j)) for j in range(k)]
+                for path, data in zip(state_paths, blobs):
+                    if path:
+                        write_state(path, data)
         finally:
             self.base = run.release()
         swap_out = time.perf_counter() - t3

@@ -32,8 +32,12 @@ FIXED_PREFIXES = ("data.", "model.name", "train.stage", "run.", "experiment.", "
 
 @dataclass
 class SlotResources:
-    cpus: float = field(1.0, "CPUs one training slot reserves (also its torch thread count)", range=(0.01, None))
-    gpus: float = field(0.0, "GPUs one training slot reserves (0: CPU)", range=(0.0, None))
+    cpus: float = field(1.0, "CPUs each worker of a training slot reserves (also its torch thread count)",
+                        range=(0.01, None))
+    gpus: float = field(0.0, "GPUs each worker of a training slot reserves (0: CPU)", range=(0.0, None))
+    workers: int = field(1, "processes one slot trains a config with (data parallel: a step's rows dealt "
+                            "to them, gradients summed; a step is per_device_batch_size x accumulation "
+                            "x workers rows)", range=(1, None))
 
 
 @dataclass

@@ -144,17 +144,33 @@ def test_successive_halving_and_live_ctl_ops(ray_cluster, tmp_path):
 
 
 
-def test_co_batched_configs_train_in_one_pass_to_the_same_numbers_as_one_at_a_time(ray_cluster, tmp_path, capsys):
+def test_co_batched_and_two_worker_slots_train_to_the_same_numbers_as_one_config_on_one_worker(
+        ray_cluster, tmp_path, capsys):
     """experiment.co_batch 3 on one slot: the three configs train every chunk in one pass (rows routed
-    to their adapters) and every chunk's train and held-out loss is the one-at-a-time run's."""
+    to their adapters); a slot of 2 workers (each half of every step's 8 rows, gradients summed),
+    alone and co-batched: every chunk's train and held-out loss is the one-at-a-time run's."""
     runs = {}
-    for k in (1, 3):
-        runs[k] = rapidfire_ray.experiment(PROFILE, overrides={
-            "run.output_dir": str(tmp_path), "run.name": f"co{k}", "experiment.tracking": "none",
-            "experiment.num_slots": 1, "experiment.co_batch": k})
-    out = capsys.readouterr().out
-    assert "up to 3 configs co-batched per slot" in out and "chunk 2/2 | c2 (lr=0.01) | eval_loss" in out
-    assert out.count("| co-batched x3") == 6
+    for name, over in (("co1", {"experiment.co_batch": 1}), ("co3", {"experiment.co_batch": 3}),
+                       ("w2", {"experiment.resources.workers": 2, "train.per_device_batch_size": 4}),
+                       ("w2co3", {"experiment.resources.workers": 2, "train.per_device_batch_size": 4,
+                                  "experiment.co_batch": 3})):
+        runs[name] = rapidfire_ray.experiment(PROFILE, overrides={
+            "run.output_dir": str(tmp_path), "run.name": name, "experiment.tracking": "none",
+            "experiment.num_slots": 1, "experiment.resources.cpus": 0.5, **over})
+        if name == "co3":
+            out = capsys.readouterr().out
+            assert "up to 3 configs co-batched per slot" in out and "chunk 2/2 | c2 (lr=0.01) | eval_loss" in out
+            assert out.count("| co-batched x3") == 6
+    assert "1 slot(s) of 2 workers x 0.5 CPU 0 GPU" in capsys.readouterr().out
+    for name in ("w2", "w2co3"):
+        ref, got = ({c["id"]: c for c in runs[n]["configs"]} for n in ("co1", name))
+        for cid, c in got.items():
+            assert c["state"] == "done", (name, cid, c["reason"])
+            for h, r in zip(c["history"], ref[cid]["history"], strict=True):
+                assert (h["chunk"], h["steps"], h["step"]) == (r["chunk"], r["steps"], r["step"]), (name, cid)
+                assert h["eval_loss"] == pytest.approx(r["eval_loss"], rel=1e-5), (name, cid)
+                assert h["train_loss"] == pytest.approx(r["train_loss"], rel=1e-5), (name, cid)
+    runs[1], runs[3] = runs["co1"], runs["co3"]
     alone, together = ({c["id"]: c for c in runs[k]["configs"]} for k in (1, 3))
     assert set(alone) == set(together) == {"c0", "c1", "c2"}
     for cid, c in together.items():
@@ -167,6 +183,7 @@ def test_co_batched_configs_train_in_one_pass_to_the_same_numbers_as_one_at_a_ti
             assert h["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5), cid
             assert h["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-5), cid
         assert (tmp_path / "co3" / "configs" / cid / "state-chunk2.pt").is_file()
+        assert (tmp_path / "w2" / "configs" / cid / "state-chunk2.pt").stat().st_size > 0
     assert runs[3]["best"]["id"] == runs[1]["best"]["id"] == "c2" and runs[3]["swap"]["chunks"] == 6
 
 
