@@ -13,8 +13,11 @@ from rapidfire_ray.models import model_num_parameters
 
 
 def run(tmp_path, name: str, **overrides) -> dict:
+    # fp32 pinned: train.precision auto picks bf16 on a CPU with AMX, and the byte counts below are
+    # fp32's (the precision policy has its own tests)
     return rapidfire_ray.train(TINY, overrides={"run.output_dir": str(tmp_path), "run.name": name,
-                                                "train.max_steps": 4, "checkpoint.every_steps": 0, **overrides})
+                                                "train.max_steps": 4, "checkpoint.every_steps": 0,
+                                                "train.precision": "fp32", **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,7 @@ def test_level3_shards_parameters_and_optimizer_state_with_deepspeed(level0, tmp
     # Resume from the ZeRO-3 checkpoint (each worker's partitions, merged by Ray Train).
     resumed = rapidfire_ray.train(TINY, resume=True, overrides={
         "run.output_dir": str(tmp_path), "run.name": "l3", "train.max_steps": 6, "checkpoint.every_steps": 0,
-        "memory.optim_level": "level3"})
+        "memory.optim_level": "level3", "train.precision": "fp32"})
     assert resumed["start_step"] == 4 and [h["step"] for h in resumed["loss_history"]] == [5, 6]
     assert resumed["final_loss"] < s["first_loss"]
 
