@@ -73,12 +73,12 @@ def tune_asha(args, exp, work: str) -> dict:
     from rapidfire_ray.experiments.slot import Slot, steps_for
     from rapidfire_ray.experiments.spec import load_experiment
 
+    t0 = time.time()  # as an experiment's at_s: from its start, data preparation included
     plan = load_experiment(args.profile, common(args, work, "tune"))
     cands = {c.id: c for c in plan.candidates if c.error is None}
     data = _Data(plan, load_config(plan.base, {"scaling.num_workers": 1}))
     spec = plan.spec
     cfgs = {cid: OmegaConf.to_container(c.cfg, resolve=True) for cid, c in cands.items()}
-    t0 = time.time()
 
     def trial(config, chunks, eval_rows):
         cfg = cfgs[config["cid"]]
