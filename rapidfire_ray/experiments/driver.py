@@ -2,11 +2,12 @@
 
 profile -> configs (spec.py) -> Ray -> the data read and tokenised once (Ray Data, the SFT stage's
 `build_sft_dataset`), cut into `num_chunks` contiguous chunks held in the object store -> slots
-(Ray actors, `slot.Slot`) -> the loop: take ctl ops, make the policy's decisions (successive-halving
-cuts, pbt's warm clones), hand (config,
-chunk) pairs to free slots (`scheduler.ChunkScheduler`), collect each chunk's record and the
-config's state (an object ref; also written to `configs/<id>/state.pt` so --resume and a lost slot
-continue from the last boundary) -> experiment_summary.json rewritten at every boundary (and each
+(Ray actors, `slot.Slot`; `resources.workers` of them per slot, one torch.distributed group) ->
+the loop: take ctl ops, make the policy's decisions (successive-halving cuts, pbt's warm clones),
+hand (config, chunk) pairs, or up to `co_batch` configs at one chunk (cobatch.py), to free slots
+(`scheduler.ChunkScheduler`, preferring configs whose state is on the slot's node), collect each
+chunk's record and the config's state (an object ref; also written to
+`configs/<id>/state-chunk<k>.pt` so --resume and a lost slot continue from the last boundary) -> experiment_summary.json rewritten at every boundary (and each
 config's new records logged to MLflow, tracking.py).
 """
 from __future__ import annotations
