@@ -68,6 +68,15 @@ def test_level3_shards_parameters_and_optimizer_state_with_deepspeed(level0, tmp
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not any(p.name.startswith("global_step") for p in (tmp_path / "l3" / "model").iterdir())
 
+    # Resumed under another precision: DeepSpeed would look for bf16_zero_pp_rank_* files; one line instead.
+    from rapidfire_ray.errors import RunFailed
+
+    with pytest.raises(RunFailed, match="train.precision: checkpoint checkpoint-00000004 holds ZeRO-3 optimizer "
+                                        "partitions saved under fp32 or fp16"):
+        rapidfire_ray.train(TINY, resume=True, overrides={
+            "run.output_dir": str(tmp_path), "run.name": "l3", "train.max_steps": 6, "checkpoint.every_steps": 0,
+            "memory.optim_level": "level3", "train.precision": "bf16"})
+
     # Resume from the ZeRO-3 checkpoint (each worker's partitions, merged by Ray Train).
     resumed = rapidfire_ray.train(TINY, resume=True, overrides={
         "run.output_dir": str(tmp_path), "run.name": "l3", "train.max_steps": 6, "checkpoint.every_steps": 0,

@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..config import from_plain, is_elastic
+from ..errors import RapidfireError
 from ..exchange import build_exchange
 from ..faults import Straggler
 from ..log import quiet_libraries
@@ -53,6 +54,24 @@ class WorkerRun:
         return is_elastic(self.cfg)
 
 
+def check_zero_precision(ckpt_dir: str, bf16: bool) -> None:
+    """DeepSpeed names a ZeRO-3 checkpoint's optimizer partitions by precision (bf16_zero_pp_rank_*
+    under bf16): a resume computing another precision would stop on a missing file. One line
+    naming train.precision instead."""
+    import glob
+
+    optim = [os.path.basename(f) for f in glob.glob(os.path.join(ckpt_dir, "global_step*", "*optim_states.pt"))]
+    if not optim:
+        return  # not a ZeRO checkpoint
+    saved_bf16 = all(name.startswith("bf16_") for name in optim)
+    if saved_bf16 != bf16:
+        saved, now = ("bf16", "fp32 or fp16") if saved_bf16 else ("fp32 or fp16", "bf16")
+        raise RapidfireError(f"train.precision: checkpoint {os.path.basename(os.path.normpath(ckpt_dir))} holds ZeRO-3 "
+                             f"optimizer partitions saved under {saved} ({optim[0]}), this run computes {now}; "
+                             f"resume with the train.precision it was trained with (the run summary's "
+                             f"memory.precision)")
+
+
 def train_loop_per_worker(config: dict) -> None:
     redact_std_streams()  # secret env values never reach this worker's logs
     quiet_libraries()
@@ -80,6 +99,7 @@ def train_loop_per_worker(config: dict) -> None:
                     data.loader.skip_next(batches_done_in_epoch(ckpt_dir, len(data.loader),
                                                                 cfg.train.gradient_accumulation_steps))
                 parts.exchange.load(ckpt_dir)
+                check_zero_precision(ckpt_dir, memory.precision.trainer_flags()["bf16"])
                 trainer.train(resume_from_checkpoint=ckpt_dir)
         report_end(run, trainer, parts, memory, ctx.get_local_rank())
     finally:
