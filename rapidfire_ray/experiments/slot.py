@@ -282,30 +282,10 @@ class Slot:
         """Swap the config in (its state bytes, or a fresh adapter for None), train `rows`, evaluate,
         swap it out; returns (record, state bytes: empty on a multi-worker slot's other workers).
         Swap times are measured around each side."""
-        t0 = time.perf_counter()
-        try:
-            run = ConfigRun(self.base, cfg, total_steps, loads(state) if state is not None else None, self.device)
-        except BaseException:
-            self.base = load_model(self.model_name).to(self.device)  # the adapter may be half applied
-            raise
-        swap_in = time.perf_counter() - t0
-        try:
-            t1 = time.perf_counter()
-            losses = run.train_rows(rows, self.pad_id, self.shard)
-            train_s = time.perf_counter() - t1
-            t2 = time.perf_counter()
-            eval_loss = run.evaluate(eval_rows, self.pad_id, self.shard)
-            eval_s = time.perf_counter() - t2
-            t3 = time.perf_counter()
-            data = b""  # the workers of a slot hold the same state: the first one saves it
-            if self.shard.rank == 0:
-                data = dumps(run.state())
-                if state_path:
-                    write_state(state_path, data)
-        finally:
-            self.base = run.release()
-        swap_out = time.perf_counter() - t3
-        return _record(losses, run.step, eval_loss, train_s, eval_s, swap_in, swap_out, len(data)), data
+        run, losses, eval_loss, (data,), times = self._cycle(
+            lambda: ConfigRun(self.base, cfg, total_steps, loads(state) if state is not None else None, self.device),
+            rows, eval_rows, lambda run: [run.state()], [state_path])
+        return _record(losses, run.step, eval_loss, *times, len(data)), data
 
     def train_group(self, cfgs: list[dict], rows: list[dict], eval_rows: list[dict], totals: list[int],
                     state_paths: list, *states) -> list:
@@ -315,12 +295,23 @@ class Slot:
         from .cobatch import CoBatchRun
 
         k = len(cfgs)
+        run, losses, eval_losses, blobs, times = self._cycle(
+            lambda: CoBatchRun(self.base, cfgs, totals, [loads(s) if s is not None else None for s in states],
+                               self.device),
+            rows, eval_rows, lambda run: [run.state(j) for j in range(k)], state_paths)
+        records = [{**_record(losses[j], run.steps[j], eval_losses[j], *(t / k for t in times), len(blobs[j])),
+                    "co_batch": k} for j in range(k)]
+        return records + blobs
+
+    def _cycle(self, make_run, rows, eval_rows, states_of, state_paths):
+        """Swap in (`make_run`), train, evaluate, swap out: (run, losses, eval, state bytes per
+        path, (train_s, eval_s, swap_in_s, swap_out_s)). The workers of a slot hold the same
+        states: the first one saves them (the others return empty bytes)."""
         t0 = time.perf_counter()
         try:
-            run = CoBatchRun(self.base, cfgs, totals, [loads(s) if s is not None else None for s in states],
-                             self.device)
+            run = make_run()
         except BaseException:
-            self.base = load_model(self.model_name).to(self.device)  # the layers may be half replaced
+            self.base = load_model(self.model_name).to(self.device)  # adapters may be half applied
             raise
         swap_in = time.perf_counter() - t0
         try:
@@ -328,21 +319,18 @@ class Slot:
             losses = run.train_rows(rows, self.pad_id, self.shard)
             train_s = time.perf_counter() - t1
             t2 = time.perf_counter()
-            eval_losses = run.evaluate(eval_rows, self.pad_id, self.shard)
+            evals = run.evaluate(eval_rows, self.pad_id, self.shard)
             eval_s = time.perf_counter() - t2
             t3 = time.perf_counter()
-            blobs = [b""] * k
+            blobs = [b""] * len(state_paths)
             if self.shard.rank == 0:
-                blobs = [dumps(run.state(j)) for j in range(k)]
+                blobs = [dumps(state) for state in states_of(run)]
                 for path, data in zip(state_paths, blobs):
                     if path:
                         write_state(path, data)
         finally:
             self.base = run.release()
-        swap_out = time.perf_counter() - t3
-        records = [{**_record(losses[j], run.steps[j], eval_losses[j], train_s / k, eval_s / k, swap_in / k,
-                              swap_out / k, len(blobs[j])), "co_batch": k} for j in range(k)]
-        return records + blobs
+        return run, losses, evals, blobs, (train_s, eval_s, swap_in, time.perf_counter() - t3)
 
 
 def _record(losses: list[float], step: int, eval_loss: float, train_s: float, eval_s: float, swap_in: float,
