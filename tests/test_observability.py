@@ -311,12 +311,21 @@ def live(ray_cluster, tmp_path_factory):
             time.sleep(0.5)
         # Every series seen while the run trains, scraped from now on beside the monitor calls (a gauge
         # leaves the endpoint with its worker process: scrapes taken after the run miss it).
-        samples: dict = {}
+        # Series are merged across scrapes by their labels: one scrape can hold one worker's counter
+        # and not yet the other's (each worker process exports on its own report interval).
+        series: dict = {}
+
+        def complete() -> bool:
+            names = {name for name, _ in series}
+            ranks = {dict(labels).get("rank") for name, labels in series if name == "ray_rapidfire_steps_total"}
+            return EXPECTED <= names and {"0", "1"} <= ranks
 
         def scrape():
-            while time.time() < deadline and not EXPECTED <= set(samples):
+            while time.time() < deadline and not complete():
                 try:
-                    samples.update(_samples(_scrape()))
+                    for name, found in _samples(_scrape()).items():
+                        for labels, value in found:
+                            series[name, tuple(sorted(labels.items()))] = value
                 except OSError:
                     pass
                 if not thread.is_alive():
@@ -330,7 +339,10 @@ def live(ray_cluster, tmp_path_factory):
             ("--address", address, "--run", RUN, "--once", "--json"),
             ("--address", address, "--once", "--metrics", "throughput,comm_latency"))
         scraper.join(timeout=max(1.0, deadline - time.time()))
-        result["samples"] = dict(samples)
+        samples: dict = {}
+        for (name, labels), value in list(series.items()):
+            samples.setdefault(name, []).append((dict(labels), value))
+        result["samples"] = samples
         thread.join(timeout=600)
     finally:
         os.environ.pop("RAPIDFIRE_DATA_DELAY_S", None)
