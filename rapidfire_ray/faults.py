@@ -13,6 +13,10 @@ resumes at the stage where it stopped).
 RAPIDFIRE_INJECT_KILL_SLOT="CONFIG:CHUNK[:TIMES][,...]": in an experiment, the driver kills the
 slot actor (`ray.kill`) right after handing it config CONFIG's chunk CHUNK (1-based), the first
 TIMES times (default 1): a slot lost mid-chunk, as a dead node makes one.
+
+RAPIDFIRE_INJECT_OOM_ROWS="N": in an experiment, a slot's forward pass over more than N rows
+raises `torch.OutOfMemoryError`: a device too small for a co-batched group (k configs' rows in one
+pass) that fits each config alone.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from .errors import RapidfireError
 SLOW_RANKS = "RAPIDFIRE_INJECT_SLOW_RANKS"
 CRASH = "RAPIDFIRE_INJECT_CRASH"
 KILL_SLOT = "RAPIDFIRE_INJECT_KILL_SLOT"
+OOM_ROWS = "RAPIDFIRE_INJECT_OOM_ROWS"
 ENV_KEYS = (SLOW_RANKS, CRASH)
 
 
@@ -76,6 +81,38 @@ def slot_kills(environ=os.environ) -> dict[tuple[str, int], int]:
                                  ">= 1 (e.g. c0:2 kills c0's slot in chunk 2 once)")
         out[(parts[0], int(parts[1]))] = int(parts[2]) if len(parts) == 3 else 1
     return out
+
+
+def oom_rows(environ=os.environ) -> int | None:
+    """The most rows a slot's forward pass may take before an injected out-of-memory (None: no limit)."""
+    text = environ.get(OOM_ROWS, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise RapidfireError(f"{OOM_ROWS}={text!r}: expected a number of rows >= 1 (e.g. 8)")
+    return int(text)
+
+
+def slot_env(environ=os.environ) -> dict[str, str]:
+    """The experiment slots' fault-injection variables set on the driver, checked, for their runtime env."""
+    return {OOM_ROWS: str(oom_rows(environ))} if oom_rows(environ) is not None else {}
+
+
+def cap_forward_rows(model, environ=os.environ) -> None:
+    """Make `model`'s forward raise torch.OutOfMemoryError over RAPIDFIRE_INJECT_OOM_ROWS rows (if set)."""
+    limit = oom_rows(environ)
+    if limit is None:
+        return
+    import torch
+
+    def check(module, args):
+        if args[0].shape[0] > limit:
+            raise torch.OutOfMemoryError(f"injected: a forward pass over {args[0].shape[0]} rows, more than the "
+                                         f"{limit} this device holds ({OOM_ROWS})")
+
+    # on the input embedding: every forward reaches it through its call (a PEFT wrapper calls the
+    # model's forward method directly, past the model's own hooks)
+    model.get_input_embeddings().register_forward_pre_hook(check)
 
 
 def worker_env(environ=os.environ) -> dict[str, str]:

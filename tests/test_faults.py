@@ -28,3 +28,26 @@ def test_worker_env_passes_only_fault_variables():
     assert worker_env({}) == {}
     with pytest.raises(RapidfireError):
         worker_env({SLOW_RANKS: "oops"})
+
+
+def test_injected_out_of_memory_caps_a_forward_pass_by_rows():
+    import torch
+
+    from rapidfire_ray.faults import OOM_ROWS, cap_forward_rows, oom_rows, slot_env
+    from rapidfire_ray.models import load_model
+
+    assert oom_rows({}) is None and slot_env({"HOME": "/root"}) == {}
+    assert slot_env({OOM_ROWS: " 4 "}) == {OOM_ROWS: "4"}
+    for bad in ("0", "x", "-2"):
+        with pytest.raises(RapidfireError, match=f"{OOM_ROWS}=.*rows >= 1") as e:
+            oom_rows({OOM_ROWS: bad})
+        assert "\n" not in str(e.value)
+    model = load_model("tiny-random")
+    cap_forward_rows(model, {OOM_ROWS: "4"})
+    ids = torch.ones(4, 8, dtype=torch.long)
+    assert model(input_ids=ids).logits.shape[0] == 4  # up to the cap: untouched
+    with pytest.raises(torch.OutOfMemoryError, match="5 rows, more than the 4"):
+        model(input_ids=torch.ones(5, 8, dtype=torch.long))
+    untouched = load_model("tiny-random")
+    cap_forward_rows(untouched, {})
+    assert untouched(input_ids=torch.ones(9, 8, dtype=torch.long)).logits.shape[0] == 9

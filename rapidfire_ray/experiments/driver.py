@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from ..atomic import atomic_write_json
 from ..config import load_config
 from ..errors import RapidfireError
-from ..faults import KILL_SLOT, slot_kills
+from ..faults import KILL_SLOT, slot_env, slot_kills
 from ..log import say, warn
 from . import ops
 from .cobatch import cobatch_key
@@ -67,7 +67,9 @@ def run_experiment(profile, overrides=(), *, address: str | None = None, resume:
     slots = spec.num_slots or _fitting_slots(spec)
     slots = max(1, min(slots, math.ceil(len(valid) / spec.co_batch) or 1))
     res = spec.resources
-    slot_cls = ray.remote(Slot).options(num_cpus=cpu_share(res.cpus), num_gpus=res.gpus, max_concurrency=1)
+    injected = slot_env()  # fault injection for tests (faults.py); none unless set
+    slot_cls = ray.remote(Slot).options(num_cpus=cpu_share(res.cpus), num_gpus=res.gpus, max_concurrency=1,
+                                        **({"runtime_env": {"env_vars": injected}} if injected else {}))
     run.slot_factory = lambda: _slot_workers(slot_cls, base_cfg.model.name, res)
     say(f"experiment {exp.name}: {len(candidates)} config(s) ({len(valid)} valid), {spec.num_chunks} chunk(s) of "
         f"~{len(data.chunks[0])} rows, held-out {len(data.eval_rows)} rows scored on {spec.metric}, policy "

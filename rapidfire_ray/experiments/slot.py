@@ -253,8 +253,15 @@ class Slot:
         self.model_name = model_name
         self.tokenizer = load_tokenizer(model_name)
         self.pad_id = self.tokenizer.pad_token_id
-        self.base = load_model(model_name).to(self.device)
+        self.base = self._load_base()
         self.shard = Shard()
+
+    def _load_base(self) -> torch.nn.Module:
+        from ..faults import cap_forward_rows
+
+        base = load_model(self.model_name).to(self.device)
+        cap_forward_rows(base)  # (only where RAPIDFIRE_INJECT_OOM_ROWS is set)
+        return base
 
     def rendezvous(self) -> tuple[str, int]:
         """(this worker's node address, a free port): where a multi-worker slot's group meets."""
@@ -311,7 +318,7 @@ class Slot:
         try:
             run = make_run()
         except BaseException:
-            self.base = load_model(self.model_name).to(self.device)  # adapters may be half applied
+            self.base = self._load_base()  # adapters may be half applied
             raise
         swap_in = time.perf_counter() - t0
         try:

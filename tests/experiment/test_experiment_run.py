@@ -145,24 +145,36 @@ def test_successive_halving_and_live_ctl_ops(ray_cluster, tmp_path):
 
 
 def test_co_batched_and_two_worker_slots_train_to_the_same_numbers_as_one_config_on_one_worker(
-        ray_cluster, tmp_path, capsys):
+        ray_cluster, tmp_path, capsys, monkeypatch):
     """experiment.co_batch 3 on one slot: the three configs train every chunk in one pass (rows routed
     to their adapters); a slot of 2 workers (each half of every step's 8 rows, gradients summed),
-    alone and co-batched: every chunk's train and held-out loss is the one-at-a-time run's."""
+    alone and co-batched: every chunk's train and held-out loss is the one-at-a-time run's. A group
+    that runs out of memory (injected: a slot whose forward pass holds 8 rows, the group's is 24):
+    each of its configs trains the chunk again alone, to the same numbers."""
     runs = {}
     for name, over in (("co1", {"experiment.co_batch": 1}), ("co3", {"experiment.co_batch": 3}),
                        ("w2", {"experiment.resources.workers": 2, "train.per_device_batch_size": 4}),
                        ("w2co3", {"experiment.resources.workers": 2, "train.per_device_batch_size": 4,
-                                  "experiment.co_batch": 3})):
+                                  "experiment.co_batch": 3}),
+                       ("oom", {"experiment.co_batch": 3})):
+        if name == "oom":
+            monkeypatch.setenv("RAPIDFIRE_INJECT_OOM_ROWS", "8")
         runs[name] = rapidfire_ray.experiment(PROFILE, overrides={
             "run.output_dir": str(tmp_path), "run.name": name, "experiment.tracking": "none",
             "experiment.num_slots": 1, "experiment.resources.cpus": 0.5, **over})
+        monkeypatch.delenv("RAPIDFIRE_INJECT_OOM_ROWS", raising=False)
         if name == "co3":
             out = capsys.readouterr().out
             assert "up to 3 configs co-batched per slot" in out and "chunk 2/2 | c2 (lr=0.01) | eval_loss" in out
             assert out.count("| co-batched x3") == 6
-    assert "1 slot(s) of 2 workers x 0.5 CPU 0 GPU" in capsys.readouterr().out
-    for name in ("w2", "w2co3"):
+        if name == "w2co3":
+            assert "1 slot(s) of 2 workers x 0.5 CPU 0 GPU" in capsys.readouterr().out
+    printed = "".join(capsys.readouterr())
+    assert printed.count("failed in chunk 1 (OutOfMemoryError: injected: a forward pass over 24 rows") == 1
+    assert "co-batched configs c0, c1, c2 failed in chunk 1" in printed and "each trains it again alone" in printed
+    assert "| co-batched x3" not in printed  # from then on alone, every chunk
+    assert all("co_batch" not in h for c in runs["oom"]["configs"] for h in c["history"])
+    for name in ("w2", "w2co3", "oom"):
         ref, got = ({c["id"]: c for c in runs[n]["configs"]} for n in ("co1", name))
         for cid, c in got.items():
             assert c["state"] == "done", (name, cid, c["reason"])
