@@ -365,7 +365,8 @@ class _Experiment:
         except ray.exceptions.RayActorError:
             pass  # a worker lost while joining: the chunk's results below say so
         try:
-            records = ray.get(all_recs)[:len(cids)]  # the first worker's
+            every = ray.get(all_recs)
+            records = every[:len(cids)]  # the first worker's
         except ray.exceptions.RayActorError as e:
             self.replace_slot(slot_index)  # a fresh slot; its configs retrain this chunk
             for cid in cids:
@@ -401,6 +402,8 @@ class _Experiment:
                 self.slot_nodes[slot_index] = self.state_nodes[cid] = record["node"]
             record.update(chunk=chunk + 1, slot=slot_index, wall_s=time.time() - t0, at_s=time.time() - self.t0,
                           state_on_node=was_local)
+            if len(every) > len(cids):  # a multi-worker slot: the nodes its workers ran on
+                record["nodes"] = sorted({r["node"] for r in every if r.get("node")})
             busy = record["train_s"] + record["eval_s"] + record["swap_in_s"] + record["swap_out_s"]
             record["swap_fraction"] = (record["swap_in_s"] + record["swap_out_s"]) / busy if busy else 0.0
             record["score"] = record[self.exp.spec.metric]
