@@ -8,6 +8,8 @@ experiment's controller) and training nodes of --cpus-per-node CPUs each. The pr
   3. spanning (unless --no-span): one slot of 2 workers, one on each node (each worker takes a
      whole node's CPUs), each worker half of every step's rows (per_device_batch_size halved):
      the one-node run's steps, so every chunk's losses must be the one-node run's.
+Every way runs with lora.dropout 0 (with dropout, the spanning slot's two workers draw their own
+masks: the same distribution, other values).
 Reported: config-chunks per hour over each experiment's wall time and in its steady state (first
 record to last: start-ups left out), the 2-node/1-node ratio (issue 20's target: >= 1.8x),
 the share of swap-ins whose state was in the slot's node's object store (node preference), which
@@ -99,6 +101,7 @@ def measure(args) -> dict:
                 "run.output_dir": work, "run.name": name, "experiment.rows": args.rows,
                 "experiment.eval_rows": args.eval_rows, "data.max_length": args.max_length,
                 "experiment.tracking": "none", "experiment.policy": "none", "experiment.num_slots": slots,
+                "model.lora.dropout": 0.0,  # (the spanning slot's workers draw their own masks: compared exactly without)
                 "experiment.resources.cpus": cpus / args.slots_per_node, **over})
             runs[name] = {**rates(summary, time.time() - t), "losses": losses(summary)}
             r = runs[name]
