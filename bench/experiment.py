@@ -20,7 +20,7 @@ the sequential runs' offsets add up):
   - time to reach the sequential grid's best final held-out score: successive halving vs
     sequential (the grid in its expansion order), and vs Ray Tune ASHA;
   - swap share of slot time (chunked run), config-chunks per hour.
-Not run here: 2 nodes vs 1 (issue 20); co-batching is bench/cobatch.py.
+2 nodes vs 1 is bench/experiment_nodes.py; co-batching is bench/cobatch.py.
 
     python bench/experiment.py [--profile P] [--rows 128] [--max-length 128] [--eval-rows 32]
                                [--slots 1] [--no-tune] [--out bench/results/experiment.json]
