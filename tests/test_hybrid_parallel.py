@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 
 import pytest
+
+from tests.cluster_script import run_cluster_script
 
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -25,25 +24,8 @@ TINY = os.path.join(REPO, "jobs", "configs", "tiny.yaml")
 
 @pytest.mark.timeout(400)
 def test_hybrid_parallel_groups_workers_by_node_and_trains(tmp_path):
-    ray_tmp = tempfile.mkdtemp(prefix="rf-hyb-")  # short: Ray's socket paths must stay under 108 chars
     out = tmp_path / "summary.json"
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_ADDRESS": "",
-           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen([sys.executable, HERE, str(tmp_path), str(out)], env=env, cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        log, _ = proc.communicate(timeout=360)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # SIGTERM: the script shuts its cluster down before exiting
-        try:
-            log, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
-        pytest.fail(f"the 2-node hybrid run timed out:\n{log[-4000:]}")
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0, log[-6000:]
+    run_cluster_script(HERE, [str(tmp_path), str(out)], prefix="rf-hyb-", timeout=360, what="the 2-node hybrid run")
 
     s = json.loads(out.read_text())
     mem = s["memory"]

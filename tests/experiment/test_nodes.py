@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 
 import pytest
+
+from tests.cluster_script import run_cluster_script
 
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -24,25 +23,8 @@ PROFILE = os.path.join(REPO, "jobs", "configs", "experiment_tiny.yaml")
 
 @pytest.mark.timeout(600)
 def test_slots_on_two_nodes_and_a_slot_spanning_them_train_the_same_numbers(tmp_path):
-    ray_tmp = tempfile.mkdtemp(prefix="rf-nodes-")  # short: Ray's socket paths must stay under 108 chars
     out = tmp_path / "summaries.json"
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_ADDRESS": "",
-           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen([sys.executable, HERE, str(tmp_path), str(out)], env=env, cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        log, _ = proc.communicate(timeout=540)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # SIGTERM: the script shuts its cluster down before exiting
-        try:
-            log, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
-        pytest.fail(f"the 2-node experiment timed out:\n{log[-4000:]}")
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0, log[-6000:]
+    log = run_cluster_script(HERE, [str(tmp_path), str(out)], prefix="rf-nodes-", timeout=540, what="the 2-node experiment")
 
     runs = json.loads(out.read_text())
     spread, span = ({c["id"]: c for c in runs[k]["configs"]} for k in ("spread", "span"))
