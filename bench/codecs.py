@@ -15,9 +15,11 @@ on the wire, the ratio to float32, and the relative error
 ||decode(encode(g)) - g|| / ||g|| of one pass.
 Then, side by side in the same run, the flat-bucket codecs (the training path: the gradients
 packed into DDP-sized buckets, `--bucket-mb`, one call per bucket): the reference path against
-the fused path (compression/fused.py) against a same-size copy (`clone` of each bucket), for
-each codec without error feedback (encode + decode) and with it (`compressed_allreduce` at world
-size 1: error add, encode, decode, residual), GB/s of float32 input and the ratio to the copy.
+the fused path (compression/fused.py, its compiled kernels: RAPIDFIRE_CODEC_NATIVE=off) against,
+for 1bit on CPU, the native one-pass kernels (compression/native.py) against a same-size copy
+(`clone` of each bucket), for each codec without error feedback (encode + decode) and with it
+(`compressed_allreduce` at world size 1: error add, encode, decode, residual), GB/s of float32
+input and the ratio to the copy.
 Compile time is excluded (one warm-up call per bucket size; it is reported separately).
 Prints the tables and writes bench/results/codecs.json. A benchmark, not a test.
 
@@ -35,7 +37,7 @@ import time
 
 import torch
 
-from rapidfire_ray.compression import ErrorFeedback, fused, get_codec
+from rapidfire_ray.compression import ErrorFeedback, fused, get_codec, native
 from rapidfire_ray.exchange.allreduce import AllreduceState, compressed_allreduce
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,8 +101,30 @@ def make_buckets(grads: dict[str, torch.Tensor], bucket_mb: float, device: str) 
 BUCKET_CODECS = [("none", {}), ("fp16", {}), ("1bit", {}), ("1bit", {"scale": "rms"}), ("2bit", {})]
 
 
+class _native_mode:
+    """RAPIDFIRE_CODEC_NATIVE set to `value` inside the block."""
+
+    def __init__(self, value: str):
+        self.value = value
+
+    def __enter__(self):
+        self.saved = os.environ.get(native.NATIVE_ENV)
+        os.environ[native.NATIVE_ENV] = self.value
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop(native.NATIVE_ENV, None)
+        else:
+            os.environ[native.NATIVE_ENV] = self.saved
+
+
 def bench_buckets(buckets: list[torch.Tensor], repeats: int) -> dict:
-    """Reference vs fused vs copy on flat buckets, in one run (see the module docstring)."""
+    """Reference vs fused vs native vs copy on flat buckets, in one run (see the module docstring)."""
+    with _native_mode("off"):
+        return _bench_buckets(buckets, repeats)
+
+
+def _bench_buckets(buckets: list[torch.Tensor], repeats: int) -> dict:
     fp32_bytes = 4 * sum(b.numel() for b in buckets)
     copies = []
     rows = []
@@ -124,10 +148,21 @@ def bench_buckets(buckets: list[torch.Tensor], repeats: int) -> dict:
                                                    for b, st in zip(buckets, ref_states)], repeats)
         row["fused_ef_s"] = best_time(lambda: [compressed_allreduce(b, codec, st, fused=True)
                                                for b, st in zip(buckets, fused_states)], repeats)
+        if name == "1bit" and not opts and buckets[0].device.type == "cpu":
+            with _native_mode("always"):
+                start = time.perf_counter()
+                native.module()
+                row["native_build_s"] = time.perf_counter() - start  # or its load, when built before
+                native_states = [AllreduceState() for _ in buckets]
+                row["native_s"] = best_time(lambda: [fused.roundtrip(codec, b) for b in buckets], repeats)
+                row["native_ef_s"] = best_time(lambda: [compressed_allreduce(b, codec, st, fused=True)
+                                                        for b, st in zip(buckets, native_states)], repeats)
         rows.append(row)
     copy_s = min(copies)
     for row in rows:
-        for key in ("reference", "fused", "reference_ef", "fused_ef"):
+        for key in ("reference", "fused", "reference_ef", "fused_ef", "native", "native_ef"):
+            if f"{key}_s" not in row:
+                continue
             row[f"{key}_gbps"] = fp32_bytes / 1e9 / row[f"{key}_s"]
             row[f"{key}_vs_copy"] = copy_s / row[f"{key}_s"]
         row["fused_speedup"] = row["reference_s"] / row["fused_s"]
@@ -150,6 +185,9 @@ def print_buckets(section: dict) -> None:
         print(f"{label:<18}{row['reference_gbps']:>9.2f}{row['fused_gbps']:>9.2f}{row['fused_vs_copy']:>8.2f}"
               f"{row['reference_ef_gbps']:>8.2f}{row['fused_ef_gbps']:>9.2f}{row['fused_ef_vs_copy']:>8.2f}"
               f"{row['fused_speedup']:>8.1f}{row['fused_ef_speedup']:>8.1f}{row['fused_warmup_s']:>10.1f}")
+        if "native_s" in row:
+            print(f"{'  native (C++)':<18}{'':>9}{row['native_gbps']:>9.2f}{row['native_vs_copy']:>8.2f}{'':>8}"
+                  f"{row['native_ef_gbps']:>9.2f}{row['native_ef_vs_copy']:>8.2f}{'':>16}{row['native_build_s']:>10.1f}")
 
 
 def measure(device: str = "cpu", scale: float = 1.0, repeats: int = 3, bucket_mb: float = 25.0) -> dict:

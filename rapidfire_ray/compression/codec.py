@@ -157,25 +157,50 @@ def raise_if_nonfinite(flat: torch.Tensor, name: str | None, codec: str) -> None
         raise NonFiniteGradient(name, codec)
 
 
+def pairwise_sum(rows: torch.Tensor) -> torch.Tensor:
+    """Sum of each row of a 2-d tensor in one fixed order: the rows zero-padded to a power-of-two
+    width, then the right half added to the left half until one column is left.
+
+    Every backend computes the same float32 result in this order (each level is elementwise, and
+    a + 0 = a), unlike ATen's reductions, whose accumulation layout depends on the CPU's vector
+    width and the row count: the native and compiled codec kernels compute their chunk scales
+    this way in one pass and stay bit-identical to this reference (compression/fused.py)."""
+    width = rows.shape[1]
+    padded = 1 << max(width - 1, 0).bit_length()
+    if padded != width:
+        rows = torch.nn.functional.pad(rows, (0, padded - width))
+    while rows.shape[1] > 1:
+        half = rows.shape[1] // 2
+        rows = rows[:, :half] + rows[:, half:]
+    return rows[:, 0]
+
+
 def chunk_mean_abs(chunks: torch.Tensor, counts: torch.Tensor, flat: torch.Tensor,
                    name: str | None, codec: str) -> torch.Tensor:
     """Mean |x| per row of `chunks` (n_chunks, chunk_size; padding is zero) over `counts` real
-    elements (0 for a chunk with none). Finite for any finite input; raises NonFiniteGradient
-    (naming `name`) for NaN/inf input.
+    elements (0 for a chunk with none), summed by `pairwise_sum`. Finite for any finite input;
+    raises NonFiniteGradient (naming `name`) for NaN/inf input.
 
     It doubles as the NaN/inf check, so a clean gradient costs no extra pass: a sum of
     magnitudes is finite exactly when every term is finite, unless finite terms overflow float32
     (values near 1e38). The full `isfinite` pass over `flat` runs only when a sum is not finite;
-    for finite input it then recomputes the mean relative to each chunk's largest magnitude."""
-    sums = torch.linalg.vector_norm(chunks, ord=1, dim=1)
-    if bool(torch.isfinite(sums).all()):
-        return sums / counts.clamp(min=1)
+    for finite input the chunks whose sum overflowed (only they: each row's scale depends on that
+    row alone) get the mean relative to their largest magnitude."""
+    sums = pairwise_sum(chunks.abs())
+    means = sums / counts.clamp(min=1)
+    overflowed = ~torch.isfinite(sums)
+    if not bool(overflowed.any()):
+        return means
     raise_if_nonfinite(flat, name, codec)
-    # Finite input whose chunk sums overflow float32: mean = peak * mean(|x| / peak) <= peak.
+    rows = overflowed.nonzero().view(-1)
+    return means.index_copy(0, rows, overflow_mean_abs(chunks[rows], counts[rows]))
+
+
+def overflow_mean_abs(chunks: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mean |x| of finite rows whose plain sum overflows float32: peak * mean(|x| / peak) <= peak."""
     magnitudes = chunks.abs()
     peak = magnitudes.amax(dim=1).clamp(min=FLOAT32_TINY)
-    relative = (magnitudes / peak[:, None]).sum(dim=1)
-    return relative / counts.clamp(min=1) * peak
+    return pairwise_sum(magnitudes / peak[:, None]) / counts.clamp(min=1) * peak
 
 
 def chunk_rms(chunks: torch.Tensor, counts: torch.Tensor, flat: torch.Tensor,

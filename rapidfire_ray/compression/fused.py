@@ -31,7 +31,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .codec import FLOAT32_MAX, Codec, NonFiniteGradient, chunk_counts, chunk_mean_abs, num_chunks, view_as_dtype
+from . import native
+from .codec import (FLOAT32_MAX, Codec, NonFiniteGradient, chunk_counts, chunk_mean_abs, num_chunks,
+                    raise_if_nonfinite, view_as_dtype)
 from .fp16 import FP16_MAX
 from .onebit import SCALES
 from .twobit import INNER, MAX_NUMEL, OUTER, THRESHOLD, top_magnitude_indices
@@ -277,7 +279,8 @@ def _pack_eager(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def encode_segments(codec: Codec, flat: torch.Tensor, segments: int, m: int, *, error: torch.Tensor | None = None,
                     residual: bool = False, valid: int | None = None, clamp: bool = False,
-                    finite: bool = False, decoded: bool = True, in_place: bool = False, name: str | None = None):
+                    finite: bool = False, decoded: bool = True, in_place: bool = False,
+                    residual_out: torch.Tensor | None = None, name: str | None = None):
     """Encode `flat` (+ `error`), zero-padded to `segments * m` elements, as `segments` tensors
     of `m` elements, each as `codec.encode` would.
 
@@ -288,15 +291,23 @@ def encode_segments(codec: Codec, flat: torch.Tensor, segments: int, m: int, *, 
     caller has checked the input for NaN/inf, so the fp16 check is skipped (1bit/2bit's scales do
     theirs anyway). `decoded=False`: the caller does not need the decoded values (None then).
     `in_place`: corrected values and the residual are written into `error` (the caller's state
-    buffer). Raises NonFiniteGradient like the codec does, before writing anything."""
+    buffer). `residual_out`: where `native_encodes(codec, flat, error)`, a float32 buffer of
+    `segments * m` elements the residual is written into instead (error is then only read).
+    Raises NonFiniteGradient like the codec does, before writing anything."""
+    if residual_out is not None and (in_place or not native_encodes(codec, flat, error)):
+        raise ValueError("encode_segments: residual_out is for the native kernel (native_encodes), "
+                         "without in_place")
     kind = type(codec).name
     device = flat.device
     total = segments * m
     valid = total if valid is None else valid
     want_decoded = decoded
     residual = residual and not codec.lossless
-    if in_place and error is not None and kind != "none":
+    if in_place and error is not None and kind != "none" and not finite:
         _raise_if_nonfinite_sum(flat, name, kind)  # before the caller's buffer changes
+    if kind == "1bit" and codec.scale == "mean_abs" and _native_ok(flat, error) and (ext := native.module()):
+        return _onebit_native(ext, codec, flat, error, segments, m, residual, valid, clamp, want_decoded,
+                              in_place, residual_out, name)
     corrected = _prepare(flat, error, total, clamp, in_place).view(segments, m)
     if kind == "none":
         if corrected.data_ptr() == flat.data_ptr():
@@ -314,6 +325,79 @@ def encode_segments(codec: Codec, flat: torch.Tensor, segments: int, m: int, *, 
     if res is not None and valid < total:
         res.view(-1)[valid:] = 0
     return payload, decoded, res
+
+
+def native_encodes(codec: Codec, flat: torch.Tensor, error: torch.Tensor | None) -> bool:
+    """Whether encode_segments runs `codec` on `flat` (+ `error`) through the native one-pass
+    kernel (which finds NaN/inf input itself, before writing anything the caller keeps)."""
+    return (use_fused(codec) and type(codec).name == "1bit" and codec.scale == "mean_abs"
+            and _native_ok(flat, error) and native.module() is not None)
+
+
+def _native_ok(flat: torch.Tensor, error: torch.Tensor | None) -> bool:
+    return (flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous()
+            and (error is None or (error.dtype == torch.float32 and error.is_contiguous())))
+
+
+_NONE = torch.empty(0)  # "absent" for the native kernels' optional tensors
+
+
+def _onebit_native(ext, codec: Codec, flat: torch.Tensor, error: torch.Tensor | None, segments: int, m: int,
+                   residual: bool, valid: int, clamp: bool, want_decoded: bool, in_place: bool,
+                   residual_out: torch.Tensor | None, name: str | None):
+    """encode_segments for 1bit (mean_abs) on CPU by the native one-pass kernel (native.py)."""
+    total = segments * m
+    error = None if error is None else error.view(-1)
+    res = None
+    if residual:
+        if residual_out is not None:
+            res = residual_out.view(-1)
+        else:
+            res = error if in_place and error is not None else torch.empty(total, dtype=torch.float32)
+    decoded = torch.empty(segments, m, dtype=torch.float32) if want_decoded else None
+    payload = torch.empty(segments, codec.wire_bytes(m), dtype=torch.uint8)
+    left = ext.onebit_encode(flat.view(-1), _NONE if error is None else error, _NONE if res is None else res,
+                             _NONE if decoded is None else decoded, payload, segments, m, codec.chunk_size,
+                             valid, clamp)
+    if left.numel():  # chunks whose sum is not finite: rare, by the reference functions
+        _onebit_leftovers(codec, left.tolist(), flat.view(-1), error, res, decoded, payload, m, valid, clamp, name)
+    return payload, decoded, None if res is None else res.view(segments, m)
+
+
+def _onebit_leftovers(codec: Codec, jobs: list[int], flat, error, res, decoded, payload, m: int, valid: int,
+                      clamp: bool, name: str | None) -> None:
+    """The chunks the native kernel left untouched (their plain sum is not finite): NaN/inf
+    input raises NonFiniteGradient (before any state changes: the kernel wrote none of these
+    chunks, and in-place callers checked the input first); finite ones are clamped where asked
+    and get the reference's overflow-safe mean."""
+    cs = codec.chunk_size
+    n_chunks = num_chunks(m, cs)
+    n = flat.numel()
+    for job in jobs:
+        segment, c = divmod(job, n_chunks)
+        start, length = segment * m + c * cs, min(cs, m - c * cs)
+        x = torch.zeros(length, dtype=torch.float32)
+        k = max(0, min(length, n - start))
+        x[:k] = flat[start:start + k]
+        raise_if_nonfinite(x, name, codec.name)
+        if error is not None:
+            x = x + error[start:start + length]
+        if clamp:
+            x = x.clamp(-FLOAT32_MAX, FLOAT32_MAX)
+        counts = torch.tensor([float(length)])
+        scale = chunk_mean_abs(F.pad(x, (0, cs - length)).view(1, cs), counts, x, name, codec.name)
+        codes, dec = _onebit_chunks(x.view(1, -1), scale.view(1, 1))
+        row = payload[segment]
+        row[4 * c:4 * c + 4] = _float_bytes(scale.view(1, 1))[0]
+        at = 4 * n_chunks + c * cs // 8
+        packed = _pack_eager(codes, 1)[0]
+        row[at:at + packed.numel()] = packed
+        if decoded is not None:
+            decoded.view(-1)[start:start + length] = dec[0]
+        if res is not None:
+            r = _residual(x, dec[0], clamp)
+            r[max(0, min(length, valid - start)):] = 0
+            res[start:start + length] = r
 
 
 def _raise_if_nonfinite_sum(t: torch.Tensor, name: str | None, kind: str) -> None:
@@ -401,6 +485,10 @@ def decode_segments(codec: Codec, payload: torch.Tensor, m: int) -> torch.Tensor
         half = torch.stack([view_as_dtype(payload[j], torch.float16) for j in range(segments)])
         return half.to(torch.float32)
     cs = codec.chunk_size
+    if kind == "1bit" and payload.device.type == "cpu" and (ext := native.module()):
+        out = torch.empty(segments, m, dtype=torch.float32)
+        ext.onebit_decode(payload.contiguous(), out, segments, m, cs)
+        return out
     n_chunks = num_chunks(m, cs)
     whole, bits = m // cs, (1 if kind == "1bit" else 2)
     split = whole * cs
@@ -443,4 +531,4 @@ def roundtrip(codec: Codec, flat: torch.Tensor, name: str | None = None) -> tupl
 _KINDS = frozenset({"none", "fp16", "1bit", "2bit"})
 
 __all__ = ["COMPILE_ENV", "MIN_NUMEL_ENV", "PATH_ENV", "codec_path", "compile_failures", "decode_segments",
-           "encode_segments", "roundtrip", "use_fused"]
+           "encode_segments", "native_encodes", "roundtrip", "use_fused"]

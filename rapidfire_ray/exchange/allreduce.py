@@ -14,7 +14,7 @@ the same bytes, results and error buffers.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,10 @@ class AllreduceState:
 
     worker_error: torch.Tensor | None = None
     server_error: torch.Tensor | None = None
+    #: Scratch of worker_error's size that the one-pass native kernel writes the new residual
+    #: into (then the two swap), so a NaN found mid-pass leaves worker_error as it was without
+    #: a separate NaN/inf pass first. Not saved.
+    spare: torch.Tensor | None = field(default=None, repr=False)
 
     def state_dict(self) -> dict:
         """CPU copies of the error buffers (None where there is none)."""
@@ -55,6 +59,7 @@ class AllreduceState:
     def reset(self) -> None:
         self.worker_error = None
         self.server_error = None
+        self.spare = None
 
 
 def _cpu_copy(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -161,11 +166,11 @@ def compressed_allreduce(tensor: torch.Tensor, codec: Codec, state: AllreduceSta
     n = flat.numel()
     if n == 0:
         return torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device)
-    _check_finite(flat, codec)
     m, padded = layout(n, ws)
     if fused if fused is not None else fused_codecs.use_fused(codec):
         with (stats.timed(tensor.device) if stats is not None else nullcontext()):
             return _fused_allreduce(flat, tensor.shape, codec, state, group, stats, ws, rank, m, padded)
+    _check_finite(flat, codec)
     with (stats.timed(tensor.device) if stats is not None else nullcontext()):
         encoded, decoded, worker_error = _worker_phase(flat, codec, state, ws, m, padded)
         if ws == 1:
@@ -220,14 +225,29 @@ def _fused_allreduce(flat: torch.Tensor, shape, codec: Codec, state: AllreduceSt
     device = flat.device
     lossy = not codec.lossless
     err = _buffer(state.worker_error, padded, device, "worker_error")
-    # The error buffers are updated in place: the input was checked finite above, and a failed
-    # collective leaves the process group unusable anyway.
+    # The one-pass native kernel finds NaN/inf itself and writes the residual into the spare
+    # buffer; otherwise the input is checked first and the error buffer updated in place (a
+    # failed collective leaves the process group unusable anyway).
+    one_pass = fused_codecs.native_encodes(codec, flat, err)
+    spare = None
+    if one_pass:
+        spare = state.spare
+        if spare is None or spare.numel() != padded or spare.device != device:
+            spare = torch.empty(padded, dtype=torch.float32, device=device)
+    else:
+        _check_finite(flat, codec)
     payload, decoded, worker_error = fused_codecs.encode_segments(
-        codec, flat, ws, m, error=err, residual=lossy, valid=n, clamp=True, finite=True, decoded=ws == 1,
-        in_place=True)
+        codec, flat, ws, m, error=err, residual=lossy, valid=n, clamp=True, finite=not one_pass,
+        decoded=ws == 1, in_place=not one_pass, residual_out=spare)
     worker_error = None if worker_error is None else worker_error.view(-1)
-    if ws == 1:
+
+    def commit():
         state.worker_error = worker_error
+        if one_pass:
+            state.spare = err  # the old residual, free now (None at the first step)
+
+    if ws == 1:
+        commit()
         return decoded.view(-1)[:n].reshape(shape)  # a fresh buffer of ours: no copy needed
 
     # Phase 1: chunk j to rank j, received into the rows of one buffer (ours copied in, so that
@@ -255,7 +275,7 @@ def _fused_allreduce(flat: torch.Tensor, shape, codec: Codec, state: AllreduceSt
     got += (ws - 1) * row_bytes
 
     out = fused_codecs.decode_segments(codec, gathered, m).view(-1)[:n]
-    state.worker_error = worker_error
+    commit()
     state.server_error = None if server_error is None else server_error.view(-1)
     if stats is not None:
         stats.add_bytes(sent, got, fp32_allreduce_bytes(n, ws))

@@ -1,12 +1,14 @@
 """compression/fused.py against the per-chunk reference path, bit for bit: wire bytes, decoded
-values and residuals, compiled (RAPIDFIRE_CODEC_COMPILE=always) and eager, on odd sizes and edge
-values; and compressed_allreduce's fused path against its reference path."""
+values and residuals, compiled (RAPIDFIRE_CODEC_COMPILE=always), eager, and with the native 1-bit
+CPU kernels (RAPIDFIRE_CODEC_NATIVE=always), on odd sizes and edge values; and
+compressed_allreduce's fused path against its reference path."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rapidfire_ray.compression import NonFiniteGradient, fused, get_codec
+from rapidfire_ray.compression import NonFiniteGradient, fused, get_codec, native
+from rapidfire_ray.compression.codec import pairwise_sum
 from rapidfire_ray.exchange.allreduce import AllreduceState, compressed_allreduce
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -43,13 +45,22 @@ def values(kind: str, n: int, device: str) -> torch.Tensor:
     return x.to(device)
 
 
-@pytest.fixture(params=["always", "off"], ids=["compiled", "eager"])
+@pytest.fixture(params=["always", "off", "native"], ids=["compiled", "eager", "native"])
 def compile_mode(request, monkeypatch):
     # Compiling costs seconds per kernel: the compiled runs cover the default options only.
     spec = request.node.callspec.params.get("codec_spec")
     if request.param == "always" and spec is not None and set(spec[1]) - {"scale"}:
         pytest.skip("compiled: default chunk options only (the eager run covers these)")
-    monkeypatch.setenv(fused.COMPILE_ENV, request.param)
+    if request.param == "native":
+        if (spec is not None and spec[0] != "1bit") or request.node.callspec.params.get("device", "cpu") != "cpu":
+            pytest.skip("native: the 1-bit codec on CPU only")
+        # built once per machine (cached; see compression/native.py), eager for the rest
+        monkeypatch.setenv(native.NATIVE_ENV, "always")
+        monkeypatch.setenv(fused.COMPILE_ENV, "off")
+        assert native.module() is not None
+    else:
+        monkeypatch.setenv(native.NATIVE_ENV, "off")
+        monkeypatch.setenv(fused.COMPILE_ENV, request.param)
     return request.param
 
 
@@ -133,6 +144,61 @@ def test_nonfinite_raises_and_leaves_the_state_alone(codec_name, bad, compile_mo
     with pytest.raises(NonFiniteGradient):
         compressed_allreduce(x, codec, state, fused=True)
     assert same_bits(state.worker_error, before)
+
+
+def test_pairwise_sum_adds_halves_in_a_fixed_order():
+    rows = torch.tensor([[1e8, 1.0, -1e8, 1.0, 3.0]])
+    # padded to 8, halves added: ((1e8 + 3) + (-1e8 + 0)) + ((1 + 0) + (1 + 0)) = 0 + 2 in float32
+    # (1e8 + 3 rounds to 1e8); left to right it would be 4
+    assert torch.equal(pairwise_sum(rows), torch.tensor([2.0]))
+    assert torch.equal(pairwise_sum(torch.tensor([[2.5]])), torch.tensor([2.5]))
+    x = torch.randn(37, 2048, generator=torch.Generator().manual_seed(3))
+    # the same per row whatever the number of rows (ATen's reductions do not promise that)
+    assert torch.equal(pairwise_sum(x)[5:6], pairwise_sum(x[5:6]))
+
+
+@pytest.fixture
+def fresh_native(monkeypatch):
+    """native.py as in a new process (nothing built or tried yet)."""
+    for attr in ("_module", "_thread", "_failure"):
+        monkeypatch.setattr(native, attr, None)
+
+
+def test_auto_builds_in_the_background_and_serves_the_same_bytes_meanwhile(monkeypatch, fresh_native):
+    monkeypatch.setenv(native.NATIVE_ENV, "auto")
+    codec = get_codec("1bit")
+    x = values("edges", 10007, "cpu")
+    payload, decoded = fused.roundtrip(codec, x)  # the build starts; the other kernels serve
+    assert native._thread is not None
+    assert native.wait(timeout=900) is not None, native.failure()
+    assert fused.native_encodes(codec, x, None)
+    again, decoded_again = fused.roundtrip(codec, x)
+    assert torch.equal(payload, again) and same_bits(decoded, decoded_again)
+
+
+def test_a_failed_build_warns_once_and_the_other_kernels_serve(monkeypatch, fresh_native):
+    def no_compiler():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(native, "_build", no_compiler)
+    monkeypatch.setenv(native.NATIVE_ENV, "auto")
+    codec = get_codec("1bit")
+    x = values("gauss", 4099, "cpu")
+    with pytest.warns(RuntimeWarning, match="building the native 1-bit CPU kernels failed .*Ninja is required"):
+        fused.roundtrip(codec, x)
+        native.wait(timeout=60)
+    assert native.failure() == "RuntimeError: Ninja is required to load C++ extensions"
+    payload, _ = fused.roundtrip(codec, x)  # not retried
+    assert torch.equal(payload, codec.encode(x).payload) and not fused.native_encodes(codec, x, None)
+    monkeypatch.setenv(native.NATIVE_ENV, "always")
+    with pytest.raises(RuntimeError, match="Ninja is required"):
+        native.module()
+
+
+def test_a_bad_native_mode_is_one_line(monkeypatch):
+    monkeypatch.setenv(native.NATIVE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="RAPIDFIRE_CODEC_NATIVE='sometimes': choose one of auto, off, always"):
+        native.module()
 
 
 def test_the_reference_path_is_selectable_and_a_bad_value_is_one_line(monkeypatch):
