@@ -158,21 +158,23 @@ def raise_if_nonfinite(flat: torch.Tensor, name: str | None, codec: str) -> None
 
 
 def pairwise_sum(rows: torch.Tensor) -> torch.Tensor:
-    """Sum of each row of a 2-d tensor in one fixed order: the rows zero-padded to a power-of-two
-    width, then the right half added to the left half until one column is left.
+    """Sum over the last dimension in one fixed order: zero-padded to a power-of-two width, then
+    the right half added to the left half until one column is left.
 
     Every backend computes the same float32 result in this order (each level is elementwise, and
     a + 0 = a), unlike ATen's reductions, whose accumulation layout depends on the CPU's vector
     width and the row count: the native and compiled codec kernels compute their chunk scales
     this way in one pass and stay bit-identical to this reference (compression/fused.py)."""
-    width = rows.shape[1]
-    padded = 1 << max(width - 1, 0).bit_length()
+    width = rows.shape[-1]
+    padded = 1
+    while padded < width:  # (int.bit_length would break a torch.compile graph)
+        padded *= 2
     if padded != width:
         rows = torch.nn.functional.pad(rows, (0, padded - width))
-    while rows.shape[1] > 1:
-        half = rows.shape[1] // 2
-        rows = rows[:, :half] + rows[:, half:]
-    return rows[:, 0]
+    while rows.shape[-1] > 1:
+        half = rows.shape[-1] // 2
+        rows = rows[..., :half] + rows[..., half:]
+    return rows[..., 0]
 
 
 def chunk_mean_abs(chunks: torch.Tensor, counts: torch.Tensor, flat: torch.Tensor,

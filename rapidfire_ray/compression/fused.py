@@ -7,9 +7,11 @@ same residuals, bit for bit (tests/compression/test_fused.py). The plain per-ten
 methods stay the reference; `RAPIDFIRE_CODEC_PATH=reference` makes the training path use them.
 
 How each step stays bit-identical while getting faster:
-- per-chunk scales (and the NaN/inf check they double as) are computed by the reference's own
-  functions on the same padded (chunks, chunk_size) tensor per segment, so the summation order
-  is the same (ATen's reduction layout depends on the row count);
+- per-chunk scales (and the NaN/inf check they double as): mean_abs sums each chunk in
+  `codec.pairwise_sum`'s fixed order, which is elementwise at every level, so a compiled kernel
+  (or the native one, native.py) gives the reference's bits; rms uses the reference's own
+  function on the same padded (chunks, chunk_size) tensor per segment (ATen's reduction layout
+  depends on the row count);
 - everything else (padding, error feedback add, signs/levels, bit packing, payload assembly,
   decode, residual) is elementwise or integer arithmetic, which any backend computes exactly;
   it is written as one function per step that `torch.compile` fuses (inductor: C++ on CPU,
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 from . import native
 from .codec import (FLOAT32_MAX, Codec, NonFiniteGradient, chunk_counts, chunk_mean_abs, num_chunks,
-                    raise_if_nonfinite, view_as_dtype)
+                    pairwise_sum, raise_if_nonfinite, view_as_dtype)
 from .fp16 import FP16_MAX
 from .onebit import SCALES
 from .twobit import INNER, MAX_NUMEL, OUTER, THRESHOLD, top_magnitude_indices
@@ -248,19 +250,38 @@ def _fp16_kernel(residual: bool, clamp: bool) -> Callable:
 # --- per codec: encode (+ decode, + residual) of S segments -----------------------------------
 
 
+def _pairwise_abs(chunks):
+    """(..., chunk_size) -> (...) sums of magnitudes in codec.pairwise_sum's order (every level
+    is elementwise: inductor fuses them, bit-identical to the eager reference)."""
+    return pairwise_sum(chunks.abs())
+
+
 def _scales(codec: Codec, rows: torch.Tensor, counts: torch.Tensor, scale_fn, name: str | None) -> torch.Tensor:
-    """(S, n_chunks) scales of (S, m) `rows` by the reference's function on the same chunk rows
-    as `codec.encode` reduces (see the module docstring for why this is bit-identical)."""
+    """(S, n_chunks) scales of (S, m) `rows`, equal to the reference's `scale_fn` on the chunk
+    rows `codec.encode` reduces. mean_abs: the whole chunks of all segments in one (compiled)
+    call, a partial last chunk apart (pairwise_sum makes each chunk's sum depend on that chunk
+    alone); if a sum is not finite (NaN/inf, or an overflowing sum) the reference function does
+    it all again, raising or taking its overflow-safe path. rms (ATen's reductions, whose
+    rounding depends on the row count): the reference function per segment on the same
+    (n_chunks, chunk_size) tensor it reduces."""
     segments, m = rows.shape
     cs = codec.chunk_size
+    whole = m // cs
+    split = whole * cs
+    if scale_fn is chunk_mean_abs:
+        sums = []
+        if whole:
+            body = rows[:, :split].unflatten(1, (whole, cs))
+            sums.append(_run(("pairwise-abs", cs), _pairwise_abs, rows.device, segments * split, body))
+        if split < m:
+            sums.append(pairwise_sum(rows[:, split:].abs()).view(segments, 1))
+        sums = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]
+        if bool(torch.isfinite(sums).all()):
+            return sums / counts.clamp(min=1)
     padded_m = num_chunks(m, cs) * cs
     out = []
     for j in range(segments):
         row = rows[j]
-        # The same (n_chunks, chunk_size) tensor the reference reduces: ATen's reductions (CPU
-        # and CUDA) pick their accumulation layout from the row count (seen on CPU at
-        # chunk_size 64), so a view of the whole chunks alone could round differently. A
-        # padded copy only where the segment does not end on a chunk boundary.
         padded = row if padded_m == m else F.pad(row, (0, padded_m - m))
         out.append(scale_fn(padded.view(-1, cs), counts[j], row, name, codec.name))
     return torch.stack(out)
