@@ -282,6 +282,25 @@ def _fused_allreduce(flat: torch.Tensor, shape, codec: Codec, state: AllreduceSt
     return out.reshape(shape)
 
 
+def local_roundtrip(flat: torch.Tensor, codec: Codec, state: AllreduceState) -> torch.Tensor:
+    """One rank's worker phase without a collective: `flat` plus `state`'s error feedback,
+    encoded and decoded as a world of one on the path training takes (fused, with the native
+    kernel where it applies, or the reference per RAPIDFIRE_CODEC_PATH); `state` is updated.
+    What exchange/auto.py times."""
+    flat = flat.detach().reshape(-1)
+    m, padded = layout(flat.numel(), 1)
+    if fused_codecs.use_fused(codec):
+        return _fused_allreduce(flat, flat.shape, codec, state, None, None, 1, 0, m, padded)
+    return simulate_compressed_allreduce([flat], codec, [state])[0]
+
+
+def local_decode(codec: Codec, payload: torch.Tensor, numel: int) -> torch.Tensor:
+    """Decoding one received chunk's bytes on the path training takes (fused or reference)."""
+    if fused_codecs.use_fused(codec):
+        return fused_codecs.decode_segments(codec, payload.view(1, -1), numel)[0]
+    return codec.decode(Encoded(codec.name, payload, numel, (numel,), torch.float32))
+
+
 def simulate_compressed_allreduce(tensors: list[torch.Tensor], codec: Codec,
                                   states: list[AllreduceState]) -> list[torch.Tensor]:
     """The same algorithm in one process on a list of per-rank tensors (the reference the tests compare to).

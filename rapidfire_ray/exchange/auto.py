@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..compression import Codec, get_codec
-from .allreduce import AllreduceState, layout, simulate_compressed_allreduce
+from .allreduce import AllreduceState, layout, local_decode, local_roundtrip
 
 #: Least lossy first: on equal predicted times the less lossy codec wins.
 PREFERENCE = ("none", "fp16", "2bit", "1bit")
@@ -159,9 +159,10 @@ def _best_of(fn: Callable[[], object], device: torch.device, repeats: int) -> fl
 def codec_times(codecs: Mapping[str, Codec], elements: int, device: torch.device, world_size: int,
                 repeats: int = CODEC_REPEATS) -> dict[str, tuple[float, float]]:
     """This rank's (roundtrip, decode) seconds per element for each codec, timed on a buffer of
-    `elements` float32 values biased away from zero: 1bit/2bit through the real worker phase
-    (`simulate_compressed_allreduce` on one rank: error added, encoded, decoded, error kept),
-    none/fp16 through the hook's own preparation of a plain allreduce."""
+    `elements` float32 values biased away from zero: 1bit/2bit through the worker phase on the
+    path training takes (`local_roundtrip`: error added, encoded, decoded, error kept; the fused
+    kernels, native ones where built) and its decode (`local_decode`), none/fp16 through the
+    hook's own preparation of a plain allreduce."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(elements, generator=g).to(device)
     x = torch.where(x < 0, x - 0.5, x + 0.5)
@@ -177,9 +178,9 @@ def codec_times(codecs: Mapping[str, Codec], elements: int, device: torch.device
             out[name] = (t / elements, 0.0)
         else:
             state = AllreduceState()
-            roundtrip = _best_of(lambda: simulate_compressed_allreduce([x], codec, [state]), device, repeats)
-            encoded = codec.encode(x)
-            decode = _best_of(lambda: codec.decode(encoded), device, repeats)
+            roundtrip = _best_of(lambda: local_roundtrip(x, codec, state), device, repeats)
+            payload = codec.encode(x).payload  # the same bytes on every path
+            decode = _best_of(lambda: local_decode(codec, payload, elements), device, repeats)
             out[name] = (roundtrip / elements, decode / elements)
     return out
 

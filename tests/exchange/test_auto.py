@@ -4,6 +4,7 @@ path on a real 2-process gloo group is in test_hook.py (group2's "auto" scenario
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rapidfire_ray.compression import get_codec
 from rapidfire_ray.exchange import CompressionPolicy, layout
@@ -163,3 +164,24 @@ def _param(n):
     import torch
 
     return torch.empty(n)
+
+
+@pytest.mark.parametrize("path", ["fused", "reference"])
+@pytest.mark.parametrize("name", ["1bit", "2bit"])
+def test_codec_timing_runs_the_training_path_and_equals_the_reference(monkeypatch, path, name):
+    """auto times `local_roundtrip`/`local_decode`: the fused (or native) kernels training runs,
+    with the reference simulation's numbers."""
+    from rapidfire_ray.exchange.allreduce import (AllreduceState, local_decode, local_roundtrip,
+                                                  simulate_compressed_allreduce)
+
+    monkeypatch.setenv("RAPIDFIRE_CODEC_PATH", path)
+    codec = get_codec(name)
+    x = torch.randn(10_003, generator=torch.Generator().manual_seed(1))
+    mine, ref = AllreduceState(), AllreduceState()
+    for _ in range(3):
+        got = local_roundtrip(x, codec, mine)
+        want = simulate_compressed_allreduce([x], codec, [ref])[0]
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert torch.equal(mine.worker_error.view(torch.int32), ref.worker_error.view(torch.int32))
+    encoded = codec.encode(x)
+    assert torch.equal(local_decode(codec, encoded.payload, x.numel()), codec.decode(encoded))
