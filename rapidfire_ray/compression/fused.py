@@ -326,7 +326,7 @@ def encode_segments(codec: Codec, flat: torch.Tensor, segments: int, m: int, *, 
     residual = residual and not codec.lossless
     if in_place and error is not None and kind != "none" and not finite:
         _raise_if_nonfinite_sum(flat, name, kind)  # before the caller's buffer changes
-    if kind == "1bit" and codec.scale == "mean_abs" and _native_ok(flat, error) and (ext := native.module()):
+    if (ext := _native_kernels(codec, flat, error)) is not None:
         return _onebit_native(ext, codec, flat, error, segments, m, residual, valid, clamp, want_decoded,
                               in_place, residual_out, name)
     corrected = _prepare(flat, error, total, clamp, in_place).view(segments, m)
@@ -351,13 +351,17 @@ def encode_segments(codec: Codec, flat: torch.Tensor, segments: int, m: int, *, 
 def native_encodes(codec: Codec, flat: torch.Tensor, error: torch.Tensor | None) -> bool:
     """Whether encode_segments runs `codec` on `flat` (+ `error`) through the native one-pass
     kernel (which finds NaN/inf input itself, before writing anything the caller keeps)."""
-    return (use_fused(codec) and type(codec).name == "1bit" and codec.scale == "mean_abs"
-            and _native_ok(flat, error) and native.module() is not None)
+    return use_fused(codec) and _native_kernels(codec, flat, error) is not None
 
 
-def _native_ok(flat: torch.Tensor, error: torch.Tensor | None) -> bool:
-    return (flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous()
-            and (error is None or (error.dtype == torch.float32 and error.is_contiguous())))
+def _native_kernels(codec: Codec, flat: torch.Tensor, error: torch.Tensor | None):
+    """The built native module where it runs `codec` on `flat` (+ `error`): 1bit with the
+    mean_abs scale on contiguous CPU float32; None otherwise (or while it is not built)."""
+    if not (type(codec).name == "1bit" and codec.scale == "mean_abs" and flat.device.type == "cpu"
+            and flat.dtype == torch.float32 and flat.is_contiguous()
+            and (error is None or (error.dtype == torch.float32 and error.is_contiguous()))):
+        return None
+    return native.module()
 
 
 _NONE = torch.empty(0)  # "absent" for the native kernels' optional tensors
@@ -496,8 +500,20 @@ def _encode_chunked(codec: Codec, kind: str, corrected: torch.Tensor, residual: 
     return payload, decoded, res
 
 
-def decode_segments(codec: Codec, payload: torch.Tensor, m: int) -> torch.Tensor:
-    """(S, codec.wire_bytes(m)) uint8 payload rows -> (S, m) float32, each row as `codec.decode`."""
+def decode_segments(codec: Codec, payload: torch.Tensor, m: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(S, codec.wire_bytes(m)) uint8 payload rows -> (S, m) float32, each row as `codec.decode`.
+    `out`: a contiguous float32 tensor of at most S * m elements that gets the first out.numel()
+    values of the rows laid end to end (returned then): the native kernel writes them there
+    directly, so a caller that reuses `out` touches no fresh memory."""
+    if out is not None:
+        if not (out.dtype == torch.float32 and out.is_contiguous() and out.numel() <= payload.shape[0] * m
+                and out.device == payload.device):
+            raise ValueError(f"decode_segments: out must be a contiguous float32 tensor of at most "
+                             f"{payload.shape[0] * m} elements on {payload.device}")
+        if type(codec).name == "1bit" and payload.device.type == "cpu" and (ext := native.module()):
+            ext.onebit_decode(payload.contiguous(), out, payload.shape[0], m, codec.chunk_size)
+            return out
+        return out.copy_(decode_segments(codec, payload, m).view(-1)[:out.numel()].view(out.shape))
     kind = type(codec).name
     segments = payload.shape[0]
     if kind == "none":
@@ -536,6 +552,35 @@ def decode_segments(codec: Codec, payload: torch.Tensor, m: int) -> torch.Tensor
     return out
 
 
+def _server_sum(world: int):
+    def server_sum(rows: torch.Tensor) -> torch.Tensor:
+        # In row order, one add at a time, then one division: the reference's rounding.
+        avg = rows[0]
+        for i in range(1, world):
+            avg = avg + rows[i]
+        return avg / world
+    return server_sum
+
+
+def decode_mean(codec: Codec, payload: torch.Tensor, m: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean of the decoded (S, codec.wire_bytes(m)) payload rows, as the reference server
+    computes it (rows added in order, then divided by S): (m,) float32. `out`: a contiguous
+    float32 tensor of at most m elements for the first out.numel() values (returned then). The
+    native 1bit kernel decodes and averages in one pass, without the (S, m) decoded rows."""
+    segments = payload.shape[0]
+    if out is not None and not (out.dtype == torch.float32 and out.is_contiguous() and out.numel() <= m
+                                and out.device == payload.device):
+        raise ValueError(f"decode_mean: out must be a contiguous float32 tensor of at most {m} elements "
+                         f"on {payload.device}")
+    if type(codec).name == "1bit" and payload.device.type == "cpu" and (ext := native.module()):
+        out = torch.empty(m, dtype=torch.float32) if out is None else out
+        ext.onebit_decode_mean(payload.contiguous(), out, segments, m, codec.chunk_size)
+        return out
+    rows = decode_segments(codec, payload, m)
+    avg = _run(("server-sum", segments), _server_sum(segments), payload.device, segments * m, rows)
+    return avg if out is None else out.copy_(avg[:out.numel()].view(out.shape))
+
+
 def roundtrip(codec: Codec, flat: torch.Tensor, name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One flat bucket: (payload, decoded), equal to `codec.encode(flat).payload` and
     `codec.decode(codec.encode(flat))` (flattened)."""
@@ -551,5 +596,5 @@ def roundtrip(codec: Codec, flat: torch.Tensor, name: str | None = None) -> tupl
 
 _KINDS = frozenset({"none", "fp16", "1bit", "2bit"})
 
-__all__ = ["COMPILE_ENV", "MIN_NUMEL_ENV", "PATH_ENV", "codec_path", "compile_failures", "decode_segments",
-           "encode_segments", "native_encodes", "roundtrip", "use_fused"]
+__all__ = ["COMPILE_ENV", "MIN_NUMEL_ENV", "PATH_ENV", "codec_path", "compile_failures", "decode_mean",
+           "decode_segments", "encode_segments", "native_encodes", "roundtrip", "use_fused"]

@@ -168,23 +168,26 @@ torch::Tensor onebit_encode(const torch::Tensor& flat, const torch::Tensor& erro
   return result;
 }
 
-// (segments, row_bytes) payload -> out (segments, m) float32: +scale where the bit is set, else -scale.
+// (segments, row_bytes) payload -> out: the first out.numel() (<= segments * m) of the decoded
+// (segments, m) values, float32: +scale where the bit is set, else -scale.
 void onebit_decode(const torch::Tensor& payload, const torch::Tensor& out, int64_t segments, int64_t m,
                    int64_t chunk_size) {
   TORCH_CHECK(payload.dtype() == torch::kUInt8 && payload.is_contiguous(), "payload: contiguous uint8");
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() && out.numel() == segments * m,
-              "out: contiguous float32 of segments * m elements");
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() && out.numel() <= segments * m,
+              "out: contiguous float32 of at most segments * m elements");
   const uint8_t* in = payload.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
+  const int64_t limit = out.numel();
   const int64_t n_chunks = (m + chunk_size - 1) / chunk_size;
   const int64_t row_bytes = payload.size(1);
   TORCH_CHECK(row_bytes == 4 * n_chunks + (m + 7) / 8, "payload: one row of the codec's wire bytes per segment");
-  const bool stream = segments * m * 4 >= kStreamBytes;
+  const bool stream = limit * 4 >= kStreamBytes;
   at::parallel_for(0, segments * n_chunks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const int64_t seg = job / n_chunks, c = job % n_chunks;
       const int64_t start = seg * m + c * chunk_size;
-      const int64_t len = std::min(chunk_size, m - c * chunk_size);
+      const int64_t len = std::min({chunk_size, m - c * chunk_size, limit - start});
+      if (len <= 0) continue;
       const uint8_t* row = in + seg * row_bytes;
       float s;
       std::memcpy(&s, row + 4 * c, sizeof(float));
@@ -210,7 +213,70 @@ void onebit_decode(const torch::Tensor& payload, const torch::Tensor& out, int64
 #endif
 }
 
+// The mean of the rows' decoded values, element by element: out[i] = (d_0[i] + d_1[i] + ... +
+// d_{S-1}[i]) / S, added in row order and divided once (the reference's rounding), for the first
+// out.numel() (<= m) elements; no (segments, m) intermediate is written.
+void onebit_decode_mean(const torch::Tensor& payload, const torch::Tensor& out, int64_t segments, int64_t m,
+                        int64_t chunk_size) {
+  TORCH_CHECK(payload.dtype() == torch::kUInt8 && payload.is_contiguous(), "payload: contiguous uint8");
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() && out.numel() <= m,
+              "out: contiguous float32 of at most m elements");
+  TORCH_CHECK(segments > 0, "segments: at least one row");
+  const uint8_t* in = payload.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t limit = out.numel();
+  const int64_t n_chunks = (m + chunk_size - 1) / chunk_size;
+  const int64_t row_bytes = payload.size(1);
+  TORCH_CHECK(row_bytes == 4 * n_chunks + (m + 7) / 8, "payload: one row of the codec's wire bytes per segment");
+  const bool stream = limit * 4 >= kStreamBytes;
+  const float world = static_cast<float>(segments);
+  at::parallel_for(0, n_chunks, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scale(segments);
+    std::vector<const uint8_t*> bits(segments);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t start = c * chunk_size;
+      const int64_t len = std::min({chunk_size, m - start, limit - start});
+      if (len <= 0) continue;
+      for (int64_t r = 0; r < segments; ++r) {
+        const uint8_t* row = in + r * row_bytes;
+        std::memcpy(&scale[r], row + 4 * c, sizeof(float));
+        bits[r] = row + 4 * n_chunks + c * (chunk_size / 8);
+      }
+      float* dst = o + start;
+      int64_t k0 = 0;
+#ifdef __AVX2__
+      if (len == chunk_size && aligned32(dst)) {
+        const __m256i select = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        const __m256 divisor = _mm256_set1_ps(world);
+        for (; k0 < len / 8; ++k0) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t r = 0; r < segments; ++r) {
+            const __m256i b = _mm256_and_si256(_mm256_set1_epi32(bits[r][k0]), select);
+            const __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, select));
+            const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-scale[r]), _mm256_set1_ps(scale[r]), set);
+            acc = r == 0 ? v : _mm256_add_ps(acc, v);
+          }
+          store8(dst + 8 * k0, _mm256_div_ps(acc, divisor), stream);
+        }
+      }
+#endif
+      for (int64_t j = 8 * k0; j < len; ++j) {
+        float acc = 0.0f;
+        for (int64_t r = 0; r < segments; ++r) {
+          const float v = (bits[r][j / 8] >> (j % 8)) & 1 ? scale[r] : -scale[r];
+          acc = r == 0 ? v : acc + v;
+        }
+        dst[j] = acc / world;
+      }
+    }
+  });
+#ifdef __AVX2__
+  _mm_sfence();
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("onebit_encode", &onebit_encode);
   module.def("onebit_decode", &onebit_decode);
+  module.def("onebit_decode_mean", &onebit_decode_mean);
 }

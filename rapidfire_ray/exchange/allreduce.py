@@ -42,6 +42,17 @@ class AllreduceState:
     #: into (then the two swap), so a NaN found mid-pass leaves worker_error as it was without
     #: a separate NaN/inf pass first. Not saved.
     spare: torch.Tensor | None = field(default=None, repr=False)
+    #: Buffers the fused path reuses from call to call (received and gathered payloads, the
+    #: server's average): on CPU a fresh large tensor costs a page fault per 4 KiB on first
+    #: touch, more than the codec's own pass. Not saved.
+    scratch: dict = field(default_factory=dict, repr=False)
+
+    def buffer(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The scratch buffer `key` of this shape, dtype and device (contents undefined)."""
+        t = self.scratch.get(key)
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+            t = self.scratch[key] = torch.empty(shape, dtype=dtype, device=device)
+        return t
 
     def state_dict(self) -> dict:
         """CPU copies of the error buffers (None where there is none)."""
@@ -60,6 +71,7 @@ class AllreduceState:
         self.worker_error = None
         self.server_error = None
         self.spare = None
+        self.scratch.clear()
 
 
 def _cpu_copy(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -150,10 +162,13 @@ def _as_encoded(codec: Codec, payload: torch.Tensor, m: int) -> Encoded:
 
 
 def compressed_allreduce(tensor: torch.Tensor, codec: Codec, state: AllreduceState, group=None,
-                         stats: CommStats | None = None, fused: bool | None = None) -> torch.Tensor:
+                         stats: CommStats | None = None, fused: bool | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Average of `tensor` over the ranks of `group`, through the two-phase compressed allreduce of
-    1-bit Adam with worker and server error feedback. Returns a new float32 tensor of tensor's shape
-    (identical on every rank). World size 1: compress + decompress with error feedback, no collective.
+    1-bit Adam with worker and server error feedback. Returns a float32 tensor of tensor's shape
+    (identical on every rank): `out` where given (a contiguous float32 tensor of tensor's numel on
+    its device; it may be `tensor` itself, which is read in full before `out` is written), else a
+    new one. World size 1: compress + decompress with error feedback, no collective.
 
     Every rank must call it with the same numel, codec and group, in the same order. `state`
     holds this slot's error feedback and is updated only when the call succeeds. NaN/inf in
@@ -161,66 +176,75 @@ def compressed_allreduce(tensor: torch.Tensor, codec: Codec, state: AllreduceSta
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise TypeError(f"compressed_allreduce: expected a floating-point tensor, got "
                         f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
+    if out is not None and not (out.dtype == torch.float32 and out.is_contiguous()
+                                and out.numel() == tensor.numel() and out.device == tensor.device):
+        raise ValueError(f"compressed_allreduce: out must be a contiguous float32 tensor of {tensor.numel()} "
+                         f"elements on {tensor.device}")
     ws, rank = _world(group)
     flat = tensor.detach().reshape(-1)
     n = flat.numel()
     if n == 0:
-        return torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device)
+        return torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device) if out is None else out
     m, padded = layout(n, ws)
     if fused if fused is not None else fused_codecs.use_fused(codec):
         with (stats.timed(tensor.device) if stats is not None else nullcontext()):
-            return _fused_allreduce(flat, tensor.shape, codec, state, group, stats, ws, rank, m, padded)
+            result = _fused_allreduce(flat, codec, state, group, stats, ws, rank, m, padded,
+                                      None if out is None else out.view(-1))
+            return result.view(tensor.shape)
     _check_finite(flat, codec)
     with (stats.timed(tensor.device) if stats is not None else nullcontext()):
-        encoded, decoded, worker_error = _worker_phase(flat, codec, state, ws, m, padded)
-        if ws == 1:
-            state.worker_error = worker_error
-            return decoded[:n].reshape(tensor.shape).clone()
+        result = _reference_allreduce(flat, codec, state, group, stats, ws, rank, m, padded)
+        if out is None:
+            return result.reshape(tensor.shape)
+        return out.copy_(result.view(out.shape))
 
-        # Phase 1: chunk j to rank j, point to point.
-        nbytes = codec.wire_bytes(m)
-        received = {i: torch.empty(nbytes, dtype=torch.uint8, device=tensor.device) for i in range(ws) if i != rank}
-        ops = [dist.P2POp(dist.isend, encoded[j].payload, group=group, group_peer=j) for j in range(ws) if j != rank]
-        ops += [dist.P2POp(dist.irecv, buf, group=group, group_peer=i) for i, buf in received.items()]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-        sent = sum(encoded[j].payload.numel() for j in range(ws) if j != rank)
-        got = sum(buf.numel() for buf in received.values())
 
-        # Phase 2: this rank serves chunk `rank`.
-        chunks = [decoded[rank * m:(rank + 1) * m] if i == rank else codec.decode(_as_encoded(codec, received[i], m))
-                  for i in range(ws)]
-        valid = min(max(n - rank * m, 0), m)
-        server_encoded, server_decoded, server_error = _server_phase(chunks, codec, state.server_error, valid)
-        payload = server_encoded.payload
-        gathered = [torch.empty_like(payload) for _ in range(ws)]
-        dist.all_gather(gathered, payload, group=group)
-        sent += (ws - 1) * payload.numel()
-        got += sum(gathered[j].numel() for j in range(ws) if j != rank)
-
-        out = torch.cat([server_decoded if j == rank else codec.decode(_as_encoded(codec, gathered[j], m))
-                         for j in range(ws)])[:n]
+def _reference_allreduce(flat: torch.Tensor, codec: Codec, state: AllreduceState, group, stats, ws: int,
+                         rank: int, m: int, padded: int) -> torch.Tensor:
+    """compressed_allreduce on the per-chunk reference path: a new flat float32 tensor."""
+    n = flat.numel()
+    encoded, decoded, worker_error = _worker_phase(flat, codec, state, ws, m, padded)
+    if ws == 1:
         state.worker_error = worker_error
-        state.server_error = server_error
-        if stats is not None:
-            stats.add_bytes(sent, got, fp32_allreduce_bytes(n, ws))
-        return out.reshape(tensor.shape)
+        return decoded[:n].clone()
+
+    # Phase 1: chunk j to rank j, point to point.
+    nbytes = codec.wire_bytes(m)
+    received = {i: torch.empty(nbytes, dtype=torch.uint8, device=flat.device) for i in range(ws) if i != rank}
+    ops = [dist.P2POp(dist.isend, encoded[j].payload, group=group, group_peer=j) for j in range(ws) if j != rank]
+    ops += [dist.P2POp(dist.irecv, buf, group=group, group_peer=i) for i, buf in received.items()]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    sent = sum(encoded[j].payload.numel() for j in range(ws) if j != rank)
+    got = sum(buf.numel() for buf in received.values())
+
+    # Phase 2: this rank serves chunk `rank`.
+    chunks = [decoded[rank * m:(rank + 1) * m] if i == rank else codec.decode(_as_encoded(codec, received[i], m))
+              for i in range(ws)]
+    valid = min(max(n - rank * m, 0), m)
+    server_encoded, server_decoded, server_error = _server_phase(chunks, codec, state.server_error, valid)
+    payload = server_encoded.payload
+    gathered = [torch.empty_like(payload) for _ in range(ws)]
+    dist.all_gather(gathered, payload, group=group)
+    sent += (ws - 1) * payload.numel()
+    got += sum(gathered[j].numel() for j in range(ws) if j != rank)
+
+    out = torch.cat([server_decoded if j == rank else codec.decode(_as_encoded(codec, gathered[j], m))
+                     for j in range(ws)])[:n]
+    state.worker_error = worker_error
+    state.server_error = server_error
+    if stats is not None:
+        stats.add_bytes(sent, got, fp32_allreduce_bytes(n, ws))
+    return out
 
 
-def _server_sum(world: int):
-    def server_sum(rows: torch.Tensor) -> torch.Tensor:
-        # In rank order, one add at a time, then one division: the reference's rounding.
-        avg = rows[0]
-        for i in range(1, world):
-            avg = avg + rows[i]
-        return avg / world
-    return server_sum
-
-
-def _fused_allreduce(flat: torch.Tensor, shape, codec: Codec, state: AllreduceState, group, stats, ws: int,
-                     rank: int, m: int, padded: int) -> torch.Tensor:
-    """compressed_allreduce on the fused codecs: each phase encodes all its chunks in one call
-    and decodes every received payload in one call; same bytes and results as the reference."""
+def _fused_allreduce(flat: torch.Tensor, codec: Codec, state: AllreduceState, group, stats, ws: int, rank: int,
+                     m: int, padded: int, out: torch.Tensor | None) -> torch.Tensor:
+    """compressed_allreduce on the fused codecs, flat in and out: each phase encodes all its
+    chunks in one call; the server decodes and averages the received chunks in one call, every
+    rank decodes the gathered ones in one call into `out` (or a new tensor); the payload and
+    average buffers are the state's scratch, reused call to call. Same bytes and results as
+    the reference."""
     n = flat.numel()
     device = flat.device
     lossy = not codec.lossless
@@ -248,38 +272,40 @@ def _fused_allreduce(flat: torch.Tensor, shape, codec: Codec, state: AllreduceSt
 
     if ws == 1:
         commit()
-        return decoded.view(-1)[:n].reshape(shape)  # a fresh buffer of ours: no copy needed
+        result = decoded.view(-1)[:n]  # a fresh buffer of ours: no copy needed
+        return result if out is None else out.copy_(result)
 
     # Phase 1: chunk j to rank j, received into the rows of one buffer (ours copied in, so that
     # one call decodes them all: decoding our own bytes gives exactly our decoded chunk).
-    received = torch.empty_like(payload)
+    row_bytes = payload.shape[1]
+    received = state.buffer("received", (ws, row_bytes), torch.uint8, device)
     received[rank].copy_(payload[rank])
     ops = [dist.P2POp(dist.isend, payload[j], group=group, group_peer=j) for j in range(ws) if j != rank]
     ops += [dist.P2POp(dist.irecv, received[i], group=group, group_peer=i) for i in range(ws) if i != rank]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
-    row_bytes = payload.shape[1]
     sent = got = (ws - 1) * row_bytes
 
-    # Phase 2: this rank serves chunk `rank`.
-    chunks = fused_codecs.decode_segments(codec, received, m)
-    avg = fused_codecs._run(("server-sum", ws), _server_sum(ws), device, ws * m, chunks)
+    # Phase 2: this rank serves chunk `rank`: the mean of the decoded chunks (padding excluded).
     valid = min(max(n - rank * m, 0), m)
+    avg = fused_codecs.decode_mean(codec, received, m, out=state.buffer("average", (valid,), torch.float32, device))
     server_err = _buffer(state.server_error, m, device, "server_error")
     server_payload, _, server_error = fused_codecs.encode_segments(
-        codec, avg[:valid], 1, m, error=server_err, residual=lossy, valid=valid, clamp=True, finite=True,
+        codec, avg, 1, m, error=server_err, residual=lossy, valid=valid, clamp=True, finite=True,
         decoded=False, in_place=True)
-    gathered = torch.empty(ws, row_bytes, dtype=torch.uint8, device=device)
+    gathered = state.buffer("gathered", (ws, row_bytes), torch.uint8, device)
     dist.all_gather(list(gathered.unbind(0)), server_payload[0], group=group)
     sent += (ws - 1) * row_bytes
     got += (ws - 1) * row_bytes
 
-    out = fused_codecs.decode_segments(codec, gathered, m).view(-1)[:n]
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=device)
+    fused_codecs.decode_segments(codec, gathered, m, out=out)
     commit()
     state.server_error = None if server_error is None else server_error.view(-1)
     if stats is not None:
         stats.add_bytes(sent, got, fp32_allreduce_bytes(n, ws))
-    return out.reshape(shape)
+    return out
 
 
 def local_roundtrip(flat: torch.Tensor, codec: Codec, state: AllreduceState) -> torch.Tensor:
@@ -290,7 +316,7 @@ def local_roundtrip(flat: torch.Tensor, codec: Codec, state: AllreduceState) -> 
     flat = flat.detach().reshape(-1)
     m, padded = layout(flat.numel(), 1)
     if fused_codecs.use_fused(codec):
-        return _fused_allreduce(flat, flat.shape, codec, state, None, None, 1, 0, m, padded)
+        return _fused_allreduce(flat, codec, state, None, None, 1, 0, m, padded, None)
     return simulate_compressed_allreduce([flat], codec, [state])[0]
 
 

@@ -339,8 +339,11 @@ class HookState:
             else:
                 names = tuple(name for name, _, _ in members)
                 slot = self._slot(codec, names, tuple(n for _, n in spans), ws, buffer.device)
-                result = compressed_allreduce(flat, policy.codec(codec), slot.state, self.group, self.stats)
-                if is_view:
+                # float32 buckets get the result in place (flat: a view of the bucket where the
+                # members are adjacent); bf16/fp16 ones are copied back.
+                out = flat if flat.dtype == torch.float32 else None
+                result = compressed_allreduce(flat, policy.codec(codec), slot.state, self.group, self.stats, out=out)
+                if is_view and out is None:
                     flat.copy_(result)
             if not is_view:
                 _scatter(buffer, spans, result)

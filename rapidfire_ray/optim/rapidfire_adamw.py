@@ -39,6 +39,29 @@ def frozen_denom(exp_avg_sq: torch.Tensor, variance_step: int, beta2: float, eps
     return (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
 
 
+class _StepBuffers:
+    """One bucket's compressed-stage buffers, kept from step to step: `flat` (the preconditioned
+    momentum sent, then the average received, then the float32 parameters' updates), and per
+    parameter the frozen preconditioner frozen_denom(exp_avg_sq) with its zero-variance mask
+    (exp_avg_sq == 0). The variance does not change in the compressed stage, so they are
+    computed once per parameter and again only when its exp_avg_sq changes (loaded, replaced or
+    written: its version) or beta2/eps do. Fresh large tensors every step cost page faults on
+    CPU and allocator churn on GPUs; these are reused."""
+
+    def __init__(self, numel: int, device: torch.device):
+        self.flat = torch.empty(numel, dtype=torch.float32, device=device)
+        self._frozen: dict[int, tuple] = {}  # parameter index -> (exp_avg_sq, made from, denom, zero_v)
+
+    def precondition(self, index: int, state: dict, beta2: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(denom, zero_v) of the parameter at `index` (its shape and dtype)."""
+        v = state["exp_avg_sq"]
+        made_from = (v._version, state["variance_step"], beta2, eps)
+        held = self._frozen.get(index)
+        if held is None or held[0] is not v or held[1] != made_from:  # v held: its address is not reused
+            held = self._frozen[index] = (v, made_from, frozen_denom(v, state["variance_step"], beta2, eps), v == 0)
+        return held[2], held[3]
+
+
 def _codec(name: str | Codec, chunk_size: int) -> Codec:
     if isinstance(name, Codec):
         return name
@@ -97,6 +120,9 @@ class RapidfireAdamW(GlobalNormClipping, AdamWStateDict, torch.optim.Optimizer):
         self.nonfinite: list[str] = []
         self._frozen = False
         self._allreduce_states: dict[str, AllreduceState] = {}
+        #: Per bucket: the flat buffer the momentum is exchanged in and the frozen preconditioner
+        #: (not saved: rebuilt from the state). Reused step to step.
+        self._buffers: dict[str, _StepBuffers] = {}
         self._own_allreduce_loaded = False
         #: Sum of this rank's local squared gradient norms, from `local_gradient_hook` (warm-up).
         self._local_grad_sq: torch.Tensor | None = None
@@ -239,34 +265,43 @@ class RapidfireAdamW(GlobalNormClipping, AdamWStateDict, torch.optim.Optimizer):
             lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
             members = [params[i] for i in indices]
             sizes = [p.numel() for p in members]
-            flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-            denoms = {}
-            for i, p, out in zip(indices, members, flat.split(sizes)):
+            buffers = self._step_buffers(key, sum(sizes), device)
+            frozen = {}
+            for i, p, out in zip(indices, members, buffers.flat.split(sizes)):
                 if not takes_part[i]:
-                    continue  # sent as zeros; its state stays as it is
+                    out.zero_()  # sent as zeros; its state stays as it is
+                    continue
                 state = self._state(p)
                 state.setdefault("variance_step", int(state["step"].item()))
+                denom, zero_v = frozen[i] = buffers.precondition(i, state, beta2, eps)
                 m = state["exp_avg"].reshape(-1).to(torch.float32)
                 if p.grad is not None:
                     torch.lerp(m, p.grad.reshape(-1).to(torch.float32), 1 - beta1, out=out)
                 else:  # no gradient on this rank: it contributes a zero gradient
                     torch.lerp(m, m.new_zeros(()).expand_as(m), 1 - beta1, out=out)
-                out.masked_fill_((state["exp_avg_sq"] == 0).reshape(-1), 0.0)
-                denoms[i] = frozen_denom(state["exp_avg_sq"], state["variance_step"], beta2, eps)
-                out.div_(denoms[i].reshape(-1))  # the codec sees m / denom
-            ar_state = self._allreduce_state(key, device, flat.numel(), world)
-            averaged = compressed_allreduce(flat, self.codec, ar_state, group=group, stats=self.stats)
-            for i, p, avg in zip(indices, members, averaged.reshape(-1).split(sizes)):
+                out.masked_fill_(zero_v.reshape(-1), 0.0)
+                out.div_(denom.reshape(-1))  # the codec sees m / denom
+            ar_state = self._allreduce_state(key, device, buffers.flat.numel(), world)
+            compressed_allreduce(buffers.flat, self.codec, ar_state, group=group, stats=self.stats, out=buffers.flat)
+            for i, p, avg in zip(indices, members, buffers.flat.split(sizes)):
                 if takes_part[i]:
-                    self._apply(p, avg.view(p.shape) * denoms[i], denoms[i], lr, beta1, wd)
+                    denom, zero_v = frozen[i]
+                    self._apply(p, avg.view(p.shape).mul_(denom), denom, zero_v, lr, beta1, wd)
         return True
 
-    def _apply(self, p: torch.Tensor, averaged: torch.Tensor, denom: torch.Tensor, lr: float, beta1: float,
-               wd: float) -> None:
+    def _step_buffers(self, key: str, numel: int, device: torch.device) -> "_StepBuffers":
+        buffers = self._buffers.get(key)
+        if buffers is None or buffers.flat.numel() != numel or buffers.flat.device != device:
+            buffers = self._buffers[key] = _StepBuffers(numel, device)
+        return buffers
+
+    def _apply(self, p: torch.Tensor, averaged: torch.Tensor, denom: torch.Tensor, zero_v: torch.Tensor,
+               lr: float, beta1: float, wd: float) -> None:
+        """`averaged`: this parameter's slice of the step buffer (flat), free to overwrite."""
         state = self.state[p]
-        exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        exp_avg, step_t = state["exp_avg"], state["step"]
         exp_avg.copy_(averaged.view(p.shape))
-        exp_avg.masked_fill_(exp_avg_sq == 0, 0.0)
+        exp_avg.masked_fill_(zero_v, 0.0)
         step_t += 1
         if wd != 0:
             p.mul_(1 - lr * wd)
@@ -274,7 +309,11 @@ class RapidfireAdamW(GlobalNormClipping, AdamWStateDict, torch.optim.Optimizer):
         if self.max_update is None:
             p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
         else:  # the per-element trust bound of the compressed stage (docs/optim.md, Update bound)
-            update = (exp_avg / bias_correction1).div_(denom).clamp_(-self.max_update, self.max_update)
+            if exp_avg.dtype == torch.float32:  # into the step buffer: no fresh tensor
+                update = torch.div(exp_avg, bias_correction1, out=averaged.view(p.shape))
+            else:
+                update = exp_avg / bias_correction1
+            update.div_(denom).clamp_(-self.max_update, self.max_update)
             p.add_(update, alpha=-lr)
 
     def _allreduce_state(self, key: str, device: torch.device, numel: int, world: int) -> AllreduceState:

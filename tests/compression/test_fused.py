@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rapidfire_ray.compression import NonFiniteGradient, fused, get_codec, native
+from rapidfire_ray.compression import Encoded, NonFiniteGradient, fused, get_codec, native
 from rapidfire_ray.compression.codec import pairwise_sum
 from rapidfire_ray.exchange.allreduce import AllreduceState, compressed_allreduce
 
@@ -111,6 +111,36 @@ def test_segments_with_error_feedback_equal_the_reference(codec_spec, ws, device
             res = (part - want).clamp(-3.4028234663852886e38, 3.4028234663852886e38)
             res[max(0, min(m, n - j * m)):] = 0
             assert same_bits(residual[j], res), (n, j)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec_spec", CODECS, ids=IDS)
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_decode_mean_and_decode_into_out_equal_the_reference(codec_spec, ws, device, compile_mode):
+    """The server's average of ws decoded rows (rows added in order, then divided: the
+    reference's rounding, -0.0 included) and decoding into a caller's buffer shorter than the
+    rows, for the whole rows, a cut mid-chunk and none."""
+    codec = get_codec(codec_spec[0], **codec_spec[1])
+    for n, kind in ((2049 * ws, "edges"), (7, "negzero"), (4096, "zeros")):
+        m = -(-n // (8 * ws)) * 8
+        payload, _, _ = fused.encode_segments(codec, values(kind, n, device), ws, m)
+        rows = [codec.decode(Encoded(codec.name, payload[j], m, (m,), torch.float32)) for j in range(ws)]
+        mean = rows[0].clone()
+        for row in rows[1:]:
+            mean += row
+        mean /= ws
+        assert same_bits(fused.decode_mean(codec, payload, m), mean), (n, kind)
+        for keep in (m, m - 5, 0):
+            out = torch.full((max(keep, 0),), 7.0, device=device)
+            assert fused.decode_mean(codec, payload, m, out=out) is out
+            assert same_bits(out, mean[:keep]), (n, kind, keep)
+        flat = torch.cat(rows)
+        for keep in (ws * m, max(ws * m - 11, 1), 1):
+            out = torch.full((keep,), 7.0, device=device)
+            assert fused.decode_segments(codec, payload, m, out=out) is out
+            assert same_bits(out, flat[:keep]), (n, kind, keep)
+    with pytest.raises(ValueError, match="out must be"):
+        fused.decode_mean(codec, payload, m, out=torch.empty(m + 1, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -97,9 +97,13 @@ def _run_codec(rank: int, codec_index: int, group=None) -> dict:
     name, opts = CODECS[codec_index]
     codec = get_codec(name, **opts)
     state, stats = AllreduceState(), CommStats()
-    outputs, taken = [], []
+    outputs, taken, aliased = [], [], []
     for step in range(STEPS):
-        outputs.append(compressed_allreduce(make_input(rank, step, codec_index), codec, state, group, stats))
+        x = make_input(rank, step, codec_index)
+        # odd steps write the result over the input (out=x), as the DDP hook and rapidfire_adamw do
+        out = compressed_allreduce(x, codec, state, group, stats, out=x if step % 2 else None)
+        outputs.append(out.clone())
+        aliased.append(out.data_ptr() == x.data_ptr())
         taken.append(stats.take())
     # A checkpoint round trip: the restored state gives the same next output as the live one.
     restored = AllreduceState()
@@ -111,7 +115,8 @@ def _run_codec(rank: int, codec_index: int, group=None) -> dict:
     x = make_input(rank, STEPS, codec_index)
     live = compressed_allreduce(x, codec, state, group)
     again = compressed_allreduce(x, codec, restored, group)
-    return {"outputs": outputs, "stats": taken, "state": final_state, "resumed_equal": torch.equal(live, again)}
+    return {"outputs": outputs, "stats": taken, "state": final_state, "resumed_equal": torch.equal(live, again),
+            "aliased": aliased}
 
 
 def allreduce_scenario(rank: int, world_size: int) -> dict:

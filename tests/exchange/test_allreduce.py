@@ -61,6 +61,7 @@ def test_matches_simulation_bit_for_bit(ws, codec_index, group2, group4):
             got = res["outputs"][step]
             assert got.dtype == torch.float32 and got.shape == (w.N,)
             assert torch.equal(got, sim), (step, r, (got - sim).abs().max().item())
+            assert res["aliased"][step] == bool(step % 2)  # out=x given on odd steps: written there
     # and the error-feedback state each rank ends with is the simulation's
     for r, res in enumerate(ranks):
         for key in ("worker_error", "server_error"):

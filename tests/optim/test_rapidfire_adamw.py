@@ -119,6 +119,36 @@ def test_save_load_mid_run_continues_exactly(tmp_path, save_after, codec):
     assert resumed.steps == straight.steps == 12 and resumed.in_compressed_stage
 
 
+@pytest.mark.parametrize("change", ["load", "in_place"])
+def test_a_changed_variance_is_not_served_from_the_frozen_preconditioner(change):
+    """The compressed stage keeps each parameter's frozen sqrt(v_hat) + eps between steps; a live
+    optimizer whose exp_avg_sq is then loaded from another run, or written in place, continues
+    exactly like a fresh optimizer given that state."""
+    other_model = ThreeGroupNet()
+    other = _make(other_model)
+    _run(other_model, other, range(3, 9))  # another run (other batches): another frozen variance
+    live_model = ThreeGroupNet()
+    live = _make(live_model)
+    _run(live_model, live, range(1, 8))  # compressed steps 5-7 built the frozen preconditioner
+    if change == "load":
+        state = copy.deepcopy(other.state_dict())
+        live.load_state_dict(copy.deepcopy(state))
+        live_model.load_state_dict(other_model.state_dict())
+    else:
+        with torch.no_grad():
+            for s in live.state.values():
+                s["exp_avg_sq"].mul_(4.0)
+        state = copy.deepcopy(live.state_dict())
+    fresh_model = ThreeGroupNet()
+    fresh_model.load_state_dict(live_model.state_dict())
+    fresh = _make(fresh_model)
+    fresh.load_state_dict(state)
+    _run(live_model, live, range(8, 11))
+    _run(fresh_model, fresh, range(8, 11))
+    for p, q in zip(live_model.parameters(), fresh_model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_loads_a_plain_adamw_state_and_continues_its_warmup():
     ref_model, model = ThreeGroupNet(), ThreeGroupNet()
     ref = torch.optim.AdamW(three_groups(ref_model), lr=1e-2, weight_decay=0.01)
