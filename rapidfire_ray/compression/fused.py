@@ -510,7 +510,7 @@ def decode_segments(codec: Codec, payload: torch.Tensor, m: int, out: torch.Tens
                 and out.device == payload.device):
             raise ValueError(f"decode_segments: out must be a contiguous float32 tensor of at most "
                              f"{payload.shape[0] * m} elements on {payload.device}")
-        if type(codec).name == "1bit" and payload.device.type == "cpu" and (ext := native.module()):
+        if (ext := native_decoder(codec, payload.device)) is not None:
             ext.onebit_decode(payload.contiguous(), out, payload.shape[0], m, codec.chunk_size)
             return out
         return out.copy_(decode_segments(codec, payload, m).view(-1)[:out.numel()].view(out.shape))
@@ -522,7 +522,7 @@ def decode_segments(codec: Codec, payload: torch.Tensor, m: int, out: torch.Tens
         half = torch.stack([view_as_dtype(payload[j], torch.float16) for j in range(segments)])
         return half.to(torch.float32)
     cs = codec.chunk_size
-    if kind == "1bit" and payload.device.type == "cpu" and (ext := native.module()):
+    if (ext := native_decoder(codec, payload.device)) is not None:
         out = torch.empty(segments, m, dtype=torch.float32)
         ext.onebit_decode(payload.contiguous(), out, segments, m, cs)
         return out
@@ -552,6 +552,13 @@ def decode_segments(codec: Codec, payload: torch.Tensor, m: int, out: torch.Tens
     return out
 
 
+def native_decoder(codec: Codec, device: torch.device):
+    """The built native module where it decodes `codec`'s payloads on `device` (1bit, any
+    scale, CPU), else None: decode_segments/decode_mean write straight into a caller's `out`
+    there, elsewhere they compute into a new tensor and copy."""
+    return native.module() if type(codec).name == "1bit" and device.type == "cpu" else None
+
+
 def _server_sum(world: int):
     def server_sum(rows: torch.Tensor) -> torch.Tensor:
         # In row order, one add at a time, then one division: the reference's rounding.
@@ -572,7 +579,7 @@ def decode_mean(codec: Codec, payload: torch.Tensor, m: int, out: torch.Tensor |
                                 and out.device == payload.device):
         raise ValueError(f"decode_mean: out must be a contiguous float32 tensor of at most {m} elements "
                          f"on {payload.device}")
-    if type(codec).name == "1bit" and payload.device.type == "cpu" and (ext := native.module()):
+    if (ext := native_decoder(codec, payload.device)) is not None:
         out = torch.empty(m, dtype=torch.float32) if out is None else out
         ext.onebit_decode_mean(payload.contiguous(), out, segments, m, codec.chunk_size)
         return out
@@ -597,4 +604,4 @@ def roundtrip(codec: Codec, flat: torch.Tensor, name: str | None = None) -> tupl
 _KINDS = frozenset({"none", "fp16", "1bit", "2bit"})
 
 __all__ = ["COMPILE_ENV", "MIN_NUMEL_ENV", "PATH_ENV", "codec_path", "compile_failures", "decode_mean",
-           "decode_segments", "encode_segments", "native_encodes", "roundtrip", "use_fused"]
+           "decode_segments", "encode_segments", "native_decoder", "native_encodes", "roundtrip", "use_fused"]

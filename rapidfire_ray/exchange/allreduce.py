@@ -288,7 +288,11 @@ def _fused_allreduce(flat: torch.Tensor, codec: Codec, state: AllreduceState, gr
 
     # Phase 2: this rank serves chunk `rank`: the mean of the decoded chunks (padding excluded).
     valid = min(max(n - rank * m, 0), m)
-    avg = fused_codecs.decode_mean(codec, received, m, out=state.buffer("average", (valid,), torch.float32, device))
+    # Into a reused buffer where the native kernel writes it directly (elsewhere: a new tensor, no copy).
+    reuse = fused_codecs.native_decoder(codec, device) is not None
+    avg = fused_codecs.decode_mean(codec, received, m,
+                                   out=state.buffer("average", (valid,), torch.float32, device) if reuse else None)
+    avg = avg[:valid]
     server_err = _buffer(state.server_error, m, device, "server_error")
     server_payload, _, server_error = fused_codecs.encode_segments(
         codec, avg, 1, m, error=server_err, residual=lossy, valid=valid, clamp=True, finite=True,

@@ -286,7 +286,7 @@ class RapidfireAdamW(GlobalNormClipping, AdamWStateDict, torch.optim.Optimizer):
             for i, p, avg in zip(indices, members, buffers.flat.split(sizes)):
                 if takes_part[i]:
                     denom, zero_v = frozen[i]
-                    self._apply(p, avg.view(p.shape).mul_(denom), denom, zero_v, lr, beta1, wd)
+                    self._apply(p, avg.view(p.shape), denom, zero_v, lr, beta1, wd)
         return True
 
     def _step_buffers(self, key: str, numel: int, device: torch.device) -> "_StepBuffers":
@@ -297,10 +297,11 @@ class RapidfireAdamW(GlobalNormClipping, AdamWStateDict, torch.optim.Optimizer):
 
     def _apply(self, p: torch.Tensor, averaged: torch.Tensor, denom: torch.Tensor, zero_v: torch.Tensor,
                lr: float, beta1: float, wd: float) -> None:
-        """`averaged`: this parameter's slice of the step buffer (flat), free to overwrite."""
+        """`averaged`: the average of the preconditioned momenta, this parameter's slice of the
+        step buffer (overwritten here)."""
         state = self.state[p]
         exp_avg, step_t = state["exp_avg"], state["step"]
-        exp_avg.copy_(averaged.view(p.shape))
+        torch.mul(averaged, denom, out=exp_avg)  # the momentum back from m / denom
         exp_avg.masked_fill_(zero_v, 0.0)
         step_t += 1
         if wd != 0:
@@ -310,7 +311,7 @@ class RapidfireAdamW(GlobalNormClipping, AdamWStateDict, torch.optim.Optimizer):
             p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
         else:  # the per-element trust bound of the compressed stage (docs/optim.md, Update bound)
             if exp_avg.dtype == torch.float32:  # into the step buffer: no fresh tensor
-                update = torch.div(exp_avg, bias_correction1, out=averaged.view(p.shape))
+                update = torch.div(exp_avg, bias_correction1, out=averaged)
             else:
                 update = exp_avg / bias_correction1
             update.div_(denom).clamp_(-self.max_update, self.max_update)
