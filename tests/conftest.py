@@ -29,7 +29,7 @@ def ray_cluster(tmp_path_factory):
     """A local Ray cluster shared by every test that needs one (started once, ~10 s)."""
     import ray
 
-    from rapidfire_ray.driver.cluster import worker_env
+    from rapidfire_ray.driver.cluster import EMBEDDED_SYSTEM_CONFIG, worker_env
 
     # On a loaded machine a raylet can miss Ray's fixed 30 s start-up window: one more try.
     for attempt in range(2):
@@ -37,7 +37,7 @@ def ray_cluster(tmp_path_factory):
             break
         try:
             ray.init(num_cpus=4, log_to_driver=True,
-                     runtime_env={"env_vars": worker_env()},
+                     runtime_env={"env_vars": worker_env()}, _system_config=EMBEDDED_SYSTEM_CONFIG,
                      _temp_dir=str(tmp_path_factory.mktemp("ray")) if sys.platform == "linux" else None)
         except Exception:
             ray.shutdown()
