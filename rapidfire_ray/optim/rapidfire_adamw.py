@@ -120,8 +120,8 @@ class RapidfireAdamW(GlobalNormClipping, AdamWStateDict, torch.optim.Optimizer):
         self.nonfinite: list[str] = []
         self._frozen = False
         self._allreduce_states: dict[str, AllreduceState] = {}
-        #: Per bucket: the flat buffer the momentum is exchanged in and the frozen preconditioner
-        #: (not saved: rebuilt from the state). Reused step to step.
+        #: Per CPU bucket: the flat buffer the momentum is exchanged in and the frozen
+        #: preconditioner (not saved: rebuilt from the state). Reused step to step.
         self._buffers: dict[str, _StepBuffers] = {}
         self._own_allreduce_loaded = False
         #: Sum of this rank's local squared gradient norms, from `local_gradient_hook` (warm-up).
@@ -290,6 +290,11 @@ class RapidfireAdamW(GlobalNormClipping, AdamWStateDict, torch.optim.Optimizer):
         return True
 
     def _step_buffers(self, key: str, numel: int, device: torch.device) -> "_StepBuffers":
+        if device.type != "cpu":
+            # On a GPU the caching allocator hands out a step's buffers without page faults, and
+            # memory kept between steps is memory the next forward's activations (and
+            # memory_aware's estimate, which does not count it) cannot use: fresh each step.
+            return _StepBuffers(numel, device)
         buffers = self._buffers.get(key)
         if buffers is None or buffers.flat.numel() != numel or buffers.flat.device != device:
             buffers = self._buffers[key] = _StepBuffers(numel, device)
