@@ -8,7 +8,10 @@ one. Used by `bench/parameter_server.py` (straggler) and the staleness tests.
 
 RAPIDFIRE_INJECT_CRASH="STAGE:STEP": in a run of train.stage STAGE, rank 0 raises
 `InjectedCrash` when it starts optimizer step STEP (an interruption, e.g. to test that a pipeline
-resumes at the stage where it stopped).
+resumes at the stage where it stopped; the callback is `worker.parts.CrashAt`).
+
+RAPIDFIRE_DATA_DELAY_S="SECONDS": every training worker's data loader waits SECONDS before each
+batch it prepares: a slow data source (a real wait, counted as data wait).
 
 RAPIDFIRE_INJECT_KILL_SLOT="CONFIG:CHUNK[:TIMES][,...]": in an experiment, the driver kills the
 slot actor (`ray.kill`) right after handing it config CONFIG's chunk CHUNK (1-based), the first
@@ -17,13 +20,13 @@ TIMES times (default 1): a slot lost mid-chunk, as a dead node makes one.
 RAPIDFIRE_INJECT_OOM_ROWS="N": in an experiment, a slot's forward pass over more than N rows
 raises `torch.OutOfMemoryError`: a device too small for a co-batched group (k configs' rows in one
 pass) that fits each config alone.
+
+This module stays free of torch and transformers: the driver imports it before it starts Ray.
 """
 from __future__ import annotations
 
 import os
 import time
-
-from transformers import TrainerCallback
 
 from .errors import RapidfireError
 
@@ -31,7 +34,8 @@ SLOW_RANKS = "RAPIDFIRE_INJECT_SLOW_RANKS"
 CRASH = "RAPIDFIRE_INJECT_CRASH"
 KILL_SLOT = "RAPIDFIRE_INJECT_KILL_SLOT"
 OOM_ROWS = "RAPIDFIRE_INJECT_OOM_ROWS"
-ENV_KEYS = (SLOW_RANKS, CRASH)
+DATA_DELAY = "RAPIDFIRE_DATA_DELAY_S"
+ENV_KEYS = (SLOW_RANKS, CRASH, DATA_DELAY)
 
 
 class InjectedCrash(RuntimeError):
@@ -67,6 +71,18 @@ def crash_step(stage: str, rank: int, environ=os.environ) -> int | None:
     if not sep or not step.strip().isdigit() or int(step) < 1:
         raise RapidfireError(f"{CRASH}={text!r}: expected STAGE:STEP with STEP >= 1 (e.g. reward:3)")
     return int(step) if where.strip() == stage and rank == 0 else None
+
+
+def data_delay_s(environ=os.environ) -> float:
+    """Seconds the data loader waits before each batch (RAPIDFIRE_DATA_DELAY_S; 0: none)."""
+    text = environ.get(DATA_DELAY, "").strip()
+    try:
+        delay = float(text or 0.0)
+    except ValueError:
+        delay = -1.0
+    if not delay >= 0.0:
+        raise RapidfireError(f"{DATA_DELAY}={text!r}: expected seconds >= 0 (e.g. 0.5)")
+    return delay
 
 
 def slot_kills(environ=os.environ) -> dict[tuple[str, int], int]:
@@ -121,6 +137,7 @@ def worker_env(environ=os.environ) -> dict[str, str]:
         parse_slow_ranks(environ[SLOW_RANKS])
     if CRASH in environ:
         crash_step("", 0, environ)
+    data_delay_s(environ)
     return {k: environ[k] for k in ENV_KEYS if k in environ}
 
 
@@ -139,19 +156,3 @@ class Straggler:
     def slow_down(self, start: float, timer) -> None:
         compute = time.perf_counter() - start - timer.comm_seconds_since(start)
         time.sleep((self.factor - 1.0) * max(0.0, compute))
-
-
-class CrashAt(TrainerCallback):
-    """Raises `InjectedCrash` when optimizer step `step` starts."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    @classmethod
-    def for_worker(cls, stage: str, rank: int, environ=os.environ) -> CrashAt | None:
-        step = crash_step(stage, rank, environ)
-        return cls(step) if step is not None else None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step + 1 == self.step:
-            raise InjectedCrash(f"injected crash at step {self.step} ({CRASH})")

@@ -189,7 +189,7 @@ def test_a_failed_model_export_still_writes_the_summary_and_says_what_to_free(ra
 def test_ctrl_c_stops_the_run_with_its_summary_and_leaves_no_process(tmp_path):
     """SIGINT to a CLI run mid-training (its own embedded cluster): exit 130, "interrupted at step
     N" and the resume command, a summary with status interrupted, and none of its processes left."""
-    from rapidfire_ray.data.loader import DATA_DELAY_ENV
+    from rapidfire_ray.faults import DATA_DELAY as DATA_DELAY_ENV
 
     token = uuid.uuid4().hex
     log_path = tmp_path / "run.log"

@@ -217,7 +217,7 @@ def test_a_killed_worker_process_is_replaced_and_the_run_finishes(ray_cluster, t
     failure cost (steps after that checkpoint trained twice, none skipped)."""
     from rapidfire_ray.checkpoints import MANIFEST_PREFIX
     from rapidfire_ray.config import load_config
-    from rapidfire_ray.data.loader import DATA_DELAY_ENV
+    from rapidfire_ray.faults import DATA_DELAY as DATA_DELAY_ENV
     from rapidfire_ray.driver import run
 
     # Each batch waits 0.25 s at the source: the 24 steps after checkpoint 8 take >= 6 s, time

@@ -17,7 +17,6 @@ slower to prepare: an injected slow data source, for tests and demonstrations.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections import deque
@@ -27,13 +26,13 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..faults import data_delay_s
 from ..memory.estimate import GIB, MemoryModel
 from .batching import RowsFit, cut_batches, lockstep, token_budget_rows, window_bounds, window_of
 from .preference import collate_pairs, is_pair_row
 from .sharding import shard_bounds
 
 SHUFFLE_BUFFER_ROWS = 1024
-DATA_DELAY_ENV = "RAPIDFIRE_DATA_DELAY_S"
 _END = object()
 
 
@@ -246,7 +245,7 @@ class ShardLoader:
         """(collated batch, rows) for every batch of the epoch after the first `skip`: the
         producer side of the prefetch."""
         batches = self._fixed_batches() if self.budget is None else self._budget_batches()
-        delay = float(os.environ.get(DATA_DELAY_ENV) or 0.0)
+        delay = data_delay_s()  # an injected slow source (faults.py)
         index = 0
         for chunk in batches:
             index += 1

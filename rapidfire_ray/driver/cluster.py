@@ -16,7 +16,6 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from .. import faults, log
 from ..checkpoints.ledger import settle_after_fit
 from ..config import worker_range
-from ..data.loader import DATA_DELAY_ENV
 from ..data.sharding import TRAIN
 from ..errors import RapidfireError, RunFailed
 from .failure import RunInterrupted, describe_failure
@@ -259,9 +258,6 @@ def fit_workers(cfg: DictConfig, loop, loop_config: dict, *, ds, board, dataset_
                                          else max_failures),
             logging_config=LoggingConfig(log_level="WARNING"),
             worker_runtime_env={"env_vars": {**worker_env(), **faults.worker_env(),
-                                             # an injected slow data source (tests, demonstrations)
-                                             **({DATA_DELAY_ENV: os.environ[DATA_DELAY_ENV]}
-                                                if os.environ.get(DATA_DELAY_ENV) else {}),
                                              "OMP_NUM_THREADS": str(cfg.scaling.cpus_per_worker),
                                              # DeepSpeed's accelerator probe on a CPU worker (and its warning)
                                              **({"DS_ACCELERATOR": "cpu"} if not cfg.scaling.use_gpu else {}),

@@ -1,7 +1,19 @@
 """The memory layer: a memory model of a training step, selective gradient checkpointing, int8
-saved activations, allocator settings, precision, and the levels that combine them."""
-from .activations import ActivationStats, Int8Activations, int8_saved_tensors, optimized_graph
-from .estimate import MemoryModel, free_memory_bytes, memory_in_use_bytes
+saved activations, allocator settings, precision, and the levels that combine them.
 
-__all__ = ["ActivationStats", "Int8Activations", "MemoryModel", "free_memory_bytes", "int8_saved_tensors",
-           "memory_in_use_bytes", "optimized_graph"]
+The names below load their module when first used: the driver imports `memory.estimate` and
+`memory.levels` without the activation hooks, which pull in transformers' model stack."""
+from __future__ import annotations
+
+import importlib
+
+_HOME = {"ActivationStats": "activations", "Int8Activations": "activations", "int8_saved_tensors": "activations",
+         "optimized_graph": "activations", "MemoryModel": "estimate", "free_memory_bytes": "estimate",
+         "memory_in_use_bytes": "estimate"}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

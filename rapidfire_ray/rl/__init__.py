@@ -8,3 +8,12 @@ and the reward-model actors they share.
 - `evaluate`: held-out task score and reward, before and after training;
 - `worker`, `driver`: the per-worker loop and the driver side of a run.
 """
+from __future__ import annotations
+
+
+def rl_loop_per_worker(config: dict) -> None:
+    """Ray Train's entry on every worker of the rl stage (`worker.rl_loop_per_worker`), imported
+    only there: the driver hands Ray this function by reference without loading TRL's trainers."""
+    from .worker import rl_loop_per_worker as run
+
+    run(config)

@@ -105,7 +105,7 @@ class RLStage(StageSpec):
             say(f"held-out prompts: {len(self.eval_rows)} from {cfg.rl.eval_path}")
 
     def loop(self):
-        from .worker import rl_loop_per_worker
+        from . import rl_loop_per_worker
 
         return rl_loop_per_worker
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import ray
 from omegaconf import DictConfig
 
-from .telemetry import RL_PHASES, UPDATE_PHASES
+# An RL step's phases (`rl/telemetry.py` times them on the workers; defined here, where the driver
+# reads them without the workers' TRL callbacks).
+RL_PHASES = ("rollout", "reward")
+UPDATE_PHASES = ("forward", "backward", "optimizer", "communication")
 
 
 def actor_stats(actors: list) -> list[dict | None]:

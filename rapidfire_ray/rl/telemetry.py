@@ -13,9 +13,7 @@ from __future__ import annotations
 from ..telemetry.records import StepRecord
 from ..telemetry.recorder import OptimizerClock, exchange_counters
 from ..telemetry.timing import StepTimer, peak_memory_bytes
-
-RL_PHASES = ("rollout", "reward")
-UPDATE_PHASES = ("forward", "backward", "optimizer", "communication")
+from .summary import RL_PHASES, UPDATE_PHASES
 
 
 class RLStepTimer(StepTimer):

@@ -8,15 +8,18 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import os
+
 import ray
 import ray.train
 import torch
+from transformers import TrainerCallback
 
 from ..checkpoints.saver import CheckpointSaver
 from ..data.loader import DynamicBatches, ShardLoader
 from ..data.sharding import TRAIN, ShardPlan
 from ..errors import RapidfireError
-from ..faults import CrashAt
+from ..faults import CRASH, InjectedCrash, crash_step
 from ..memory.estimate import MemoryModel
 from ..memory.setup import WorkerMemory
 from ..models import load_model, load_reward_model
@@ -198,3 +201,19 @@ def live_knobs(cfg, control, rank: int, loader, parts, metrics: WorkerMetrics) -
     knobs = KnobClient(control, rank, cfg.train.log_every_steps, appliers, initial=initial, on_apply=metrics.knobs)
     metrics.knobs(knobs.values)
     return knobs
+
+
+class CrashAt(TrainerCallback):
+    """Raises `InjectedCrash` when optimizer step `step` starts."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    @classmethod
+    def for_worker(cls, stage: str, rank: int, environ=os.environ) -> CrashAt | None:
+        step = crash_step(stage, rank, environ)
+        return cls(step) if step is not None else None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            raise InjectedCrash(f"injected crash at step {self.step} ({CRASH})")
