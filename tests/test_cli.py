@@ -1,6 +1,7 @@
 """The command line: overrides and flags in any order, and what a default run prints."""
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def test_the_driver_loads_without_the_training_stack():
     assert proc.returncode == 0, proc.stderr[-3000:]
     sizes, loaded = proc.stdout.strip().splitlines()[-2:]
     assert loaded == "[]", loaded
-    assert all(size < 200 for size in eval(sizes)), sizes  # pickled by reference, not by value
+    assert all(size < 200 for size in ast.literal_eval(sizes)), sizes  # pickled by reference, not by value
 
 
 @pytest.mark.slow

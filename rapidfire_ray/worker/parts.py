@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
-
-import os
 
 import ray
 import ray.train
